@@ -1,0 +1,27 @@
+# Two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench venv clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: this version is a local CPU build; a range would pull CUDA wheels.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/radixkv demo
+
+test: venv
+	$(PY) -m pytest
+
+bench: venv
+	$(PY) benchmarks/bench_radix.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,24 @@
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_and_frontend_install_under_the_radixkv_namespace(tmp_path):
+    # Run outside the checkout, so only the installed package can be found.
+    code = (
+        "import importlib.util, radixkv.kernels, radixkv.frontend;"
+        "print(radixkv.kernels.__file__); print(radixkv.frontend.__file__);"
+        "print(importlib.util.find_spec('kernels') is None, importlib.util.find_spec('frontend') is None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    kernels, frontend, flags = out.stdout.splitlines()
+    assert Path(kernels) == ROOT / "kernels" / "__init__.py"
+    assert Path(frontend) == ROOT / "frontend" / "__init__.py"
+    assert flags == "True True"  # nothing named `kernels` or `frontend` at top level
+
+
+def test_console_script_runs():
+    out = subprocess.run([Path(sys.executable).parent / "radixkv", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "demo" in out.stdout and "sim" in out.stdout
