@@ -1,0 +1,252 @@
+"""KV page pool: preallocated K/V tensors and a reference-counted page allocator.
+
+Two classes:
+
+- ``PageAllocator`` hands out page ids from a free stack and keeps one reference
+  count per page. It owns no tensors, so the hit-rate simulator uses it alone.
+- ``KVPool`` is a ``PageAllocator`` that also owns the K and V tensors of every
+  layer, in FlashInfer's NHD paged layout ``[num_pages, page_size, H, D]``.
+
+Owners of a reference are the radix tree (one per page it holds) and each running
+request (one per page in its page table). A page goes back to the free stack exactly
+when its count reaches 0.
+
+Page ids are ``np.int32`` arrays everywhere: they fit FlashInfer's int32
+``kv_indices`` and convert to tensors without a copy (``torch.from_numpy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixkv.errors import IntegrityError, OutOfPagesError
+
+MAX_PAGES = 2**31 - 1  # page ids must fit int32
+
+PageIds = np.ndarray  # 1-D np.int32
+_ONE = np.int32(1)  # ufunc.at takes a fast path when the operand's dtype matches
+
+
+def as_page_ids(pages, field: str = "pages") -> PageIds:
+    """Return ``pages`` as a 1-D ``np.int32`` array (no copy when it already is one).
+
+    Raises ValueError when the input is not a 1-D sequence of integers within int32.
+    """
+    if isinstance(pages, np.ndarray) and pages.dtype == np.int32 and pages.ndim == 1:
+        return pages
+    if isinstance(pages, torch.Tensor):
+        pages = pages.detach().cpu().numpy()
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise ValueError(f"{field} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{field} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype != np.int32:
+        if arr.min() < 0 or arr.max() > MAX_PAGES:
+            raise ValueError(f"{field} must lie in [0, {MAX_PAGES}]")
+        arr = arr.astype(np.int32)
+    return arr
+
+
+class PageAllocator:
+    """Free stack plus one reference count per page.
+
+    ``alloc`` returns ascending ids from a fresh pool and reuses freed pages last in,
+    first out. Every method validates its input before it changes anything, so a call
+    that raises leaves the allocator exactly as it was.
+    """
+
+    def __init__(self, num_pages: int):
+        if not isinstance(num_pages, (int, np.integer)) or isinstance(num_pages, bool):
+            raise TypeError(f"num_pages must be an int, got {type(num_pages).__name__}")
+        if not 0 < num_pages <= MAX_PAGES:
+            raise ValueError(f"num_pages must be in [1, {MAX_PAGES}], got {num_pages}")
+        self.num_pages = int(num_pages)
+        self._refs = np.zeros(self.num_pages, dtype=np.int32)
+        # Free stack: the top is the end of the array, so the lowest ids come out first.
+        self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
+        self._top = self.num_pages
+
+    # -- queries ---------------------------------------------------------------
+
+    def num_free(self) -> int:
+        """Pages on the free stack. Does not mutate."""
+        return self._top
+
+    def num_used(self) -> int:
+        """Pages with a reference count above 0. Does not mutate."""
+        return self.num_pages - self._top
+
+    def refcount(self, pages) -> np.ndarray:
+        """Reference counts of ``pages`` (a copy). Does not mutate."""
+        return self._counts(as_page_ids(pages))
+
+    # -- mutations -------------------------------------------------------------
+
+    def alloc(self, n: int) -> PageIds:
+        """Take ``n`` free pages, each with reference count 1.
+
+        Mutates the free stack. Raises ValueError for a negative ``n`` and
+        OutOfPagesError (changing nothing) when fewer than ``n`` pages are free.
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+            raise TypeError(f"n must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self._top:
+            raise OutOfPagesError(n, self._top)
+        top = self._top
+        pages = self._stack[top - n : top][::-1].copy()
+        self._top = top - n
+        self._refs[pages] = 1
+        return pages
+
+    def incref(self, pages) -> None:
+        """Add one reference to each entry of ``pages`` (a page listed twice gets two).
+
+        Raises ValueError, changing nothing, if an id is out of range or a page is free:
+        a new owner can only share a page that somebody already owns.
+        """
+        pages = as_page_ids(pages)
+        counts = self._counts(pages)
+        if np.count_nonzero(counts) != counts.size:
+            raise ValueError(f"pages not owned by anybody cannot be shared: {pages[counts == 0][:8].tolist()}")
+        np.add.at(self._refs, pages, _ONE)
+
+    def decref(self, pages) -> int:
+        """Drop one reference from each entry of ``pages``; return how many pages became free.
+
+        Pages whose count reaches 0 go back on the free stack. Raises ValueError,
+        changing nothing, if an id is out of range or more references are dropped
+        than a page has.
+        """
+        pages = as_page_ids(pages)
+        self._counts(pages)
+        return self._release(pages)
+
+    def _counts(self, pages: PageIds) -> np.ndarray:
+        """Reference counts of ``pages``; ValueError for ids outside the pool (read as
+        unsigned, a negative id is out of range too)."""
+        try:
+            return self._refs.take(pages.view(np.uint32))
+        except IndexError:
+            raise ValueError(f"pages must lie in [0, {self.num_pages}), got {pages.min()}..{pages.max()}") from None
+
+    def _release(self, pages: PageIds) -> int:
+        """``decref`` for an int32 array already known to hold valid ids (the tree's)."""
+        if not pages.size:
+            return 0
+        refs = self._refs
+        np.subtract.at(refs, pages, _ONE)
+        after = refs.take(pages)
+        if np.count_nonzero(after < 0):
+            np.add.at(refs, pages, _ONE)
+            raise ValueError(f"pages released more often than owned: {pages[after < 0][:8].tolist()}")
+        freed = pages[after == 0]
+        if freed.size > 1:
+            freed.sort()  # lowest ids end on top of the stack
+            if np.count_nonzero(freed[1:] == freed[:-1]):  # a page listed twice reached 0 once
+                freed = np.unique(freed)
+        top = self._top
+        self._stack[top : top + freed.size] = freed[::-1]
+        self._top = top + freed.size
+        return int(freed.size)
+
+    # -- checks ----------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Prove ``free + referenced == total`` and that no page is both.
+
+        Does not mutate. Raises IntegrityError describing the first violation.
+        """
+        free = self._stack[: self._top]
+        if np.unique(free).size != free.size:
+            raise IntegrityError("a page is on the free stack twice")
+        if (self._refs < 0).any():
+            raise IntegrityError("negative reference count")
+        if (self._refs[free] != 0).any():
+            raise IntegrityError(f"pages both free and referenced: {free[self._refs[free] != 0][:8].tolist()}")
+        referenced = int((self._refs > 0).sum())
+        if referenced + free.size != self.num_pages:
+            raise IntegrityError(
+                f"free ({free.size}) + referenced ({referenced}) != total ({self.num_pages})"
+            )
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Shape of the KV pool. Give ``num_pages`` or ``memory_bytes`` (not both)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    num_pages: int | None = None
+    memory_bytes: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if (self.num_pages is None) == (self.memory_bytes is None):
+            raise ValueError("give exactly one of num_pages and memory_bytes")
+        if self.memory_bytes is not None and self.memory_bytes < self.bytes_per_page:
+            raise ValueError(
+                f"memory_bytes must hold at least one page ({self.bytes_per_page} bytes), "
+                f"got {self.memory_bytes}"
+            )
+
+    @property
+    def bytes_per_page(self) -> int:
+        """K and V of one page across all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+
+    def resolved_num_pages(self) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return min(self.memory_bytes // self.bytes_per_page, MAX_PAGES)
+
+
+class KVPool(PageAllocator):
+    """A page allocator that owns the K/V tensors of every layer.
+
+    ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, num_kv_heads, head_dim]``
+    (NHD paged layout). ``k_flat(layer)`` / ``v_flat(layer)`` are
+    ``[num_pages * page_size, num_kv_heads, head_dim]`` views for writes by slot,
+    ``slot = page * page_size + offset``.
+    """
+
+    def __init__(self, config: PoolConfig):
+        super().__init__(config.resolved_num_pages())
+        self.config = config
+        self.page_size = config.page_size
+        shape = (self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in range(config.num_layers)]
+
+    def k_flat(self, layer: int) -> torch.Tensor:
+        return self.k[layer].view(-1, self.config.num_kv_heads, self.config.head_dim)
+
+    def v_flat(self, layer: int) -> torch.Tensor:
+        return self.v[layer].view(-1, self.config.num_kv_heads, self.config.head_dim)
+
+    def slots(self, pages, start: int, stop: int) -> torch.Tensor:
+        """Slot ids (int64) of token positions ``start..stop-1`` of a sequence whose
+        page table is ``pages``. Does not mutate."""
+        if not 0 <= start <= stop:
+            raise ValueError(f"need 0 <= start <= stop, got start={start} stop={stop}")
+        pages = as_page_ids(pages)
+        if stop > pages.size * self.page_size:
+            raise ValueError(f"stop={stop} is past the page table ({pages.size} pages of {self.page_size})")
+        pos = np.arange(start, stop, dtype=np.int64)
+        slots = pages[pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
+        return torch.from_numpy(slots).to(self.config.device)

@@ -1,0 +1,175 @@
+import numpy as np
+import pytest
+import torch
+
+from radixkv.cache import KVPool, PageAllocator, PoolConfig
+from radixkv.errors import IntegrityError, OutOfPagesError
+
+
+def test_alloc_hands_out_ascending_ids_with_one_reference():
+    a = PageAllocator(8)
+    pages = a.alloc(3)
+    assert pages.dtype == np.int32
+    assert pages.tolist() == [0, 1, 2]
+    assert a.refcount(pages).tolist() == [1, 1, 1]
+    assert a.num_free() == 5 and a.num_used() == 3
+    assert a.alloc(2).tolist() == [3, 4]
+    assert a.alloc(0).tolist() == []
+    a.check_integrity()
+
+
+def test_out_of_pages_raises_and_changes_nothing():
+    a = PageAllocator(4)
+    a.alloc(3)
+    with pytest.raises(OutOfPagesError) as err:
+        a.alloc(2)
+    assert (err.value.requested, err.value.free) == (2, 1)
+    assert "2 pages" in str(err.value) and "1 are free" in str(err.value)
+    assert a.num_free() == 1
+    assert a.alloc(1).tolist() == [3]
+    a.check_integrity()
+
+
+def test_freed_pages_are_reused_last_in_first_out_lowest_first():
+    a = PageAllocator(6)
+    a.alloc(6)
+    assert a.decref([4, 1]) == 2
+    assert a.num_free() == 2
+    assert a.alloc(1).tolist() == [1]
+    assert a.alloc(1).tolist() == [4]
+    a.check_integrity()
+
+
+def test_shared_page_is_freed_only_when_the_last_owner_drops_it():
+    a = PageAllocator(4)
+    p = a.alloc(2)
+    a.incref(p[:1])
+    assert a.refcount(p).tolist() == [2, 1]
+    assert a.decref(p) == 1  # page 1 freed, page 0 still owned once
+    assert a.refcount([0]).tolist() == [1]
+    assert a.num_free() == 3
+    assert a.decref([0]) == 1
+    assert a.num_free() == 4
+    a.check_integrity()
+
+
+def test_repeated_ids_count_once_per_listing():
+    a = PageAllocator(4)
+    p = a.alloc(1)
+    a.incref([p[0], p[0]])
+    assert a.refcount(p).tolist() == [3]
+    assert a.decref([p[0], p[0], p[0]]) == 1
+    assert a.num_free() == 4
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("op", ["incref", "decref"])
+def test_pages_nobody_owns_are_rejected_without_change(op):
+    a = PageAllocator(4)
+    a.alloc(2)
+    before = (a.refcount([0, 1, 2, 3]).tolist(), a.num_free())
+    with pytest.raises(ValueError, match="owned"):
+        getattr(a, op)([1, 2])
+    assert (a.refcount([0, 1, 2, 3]).tolist(), a.num_free()) == before
+    a.check_integrity()
+
+
+def test_over_release_with_repeats_rolls_back():
+    a = PageAllocator(4)
+    a.alloc(2)
+    with pytest.raises(ValueError, match="released more often"):
+        a.decref([0, 1, 1])
+    assert a.refcount([0, 1]).tolist() == [1, 1]
+    assert a.num_free() == 2
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [[-1], [4], [2**40], [1.5], [[0, 1]]])
+def test_bad_page_ids_are_rejected(bad):
+    a = PageAllocator(4)
+    a.alloc(4)
+    with pytest.raises(ValueError):
+        a.decref(bad)
+    with pytest.raises(ValueError):
+        a.incref(bad)
+    assert a.num_free() == 0
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("n", [0, -3, 2**31])
+def test_pool_size_must_be_positive_and_int32(n):
+    with pytest.raises(ValueError, match="num_pages"):
+        PageAllocator(n)
+
+
+def test_alloc_rejects_negative_and_non_int():
+    a = PageAllocator(4)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        a.alloc(-1)
+    with pytest.raises(TypeError):
+        a.alloc(1.0)
+
+
+def test_check_integrity_catches_corruption():
+    a = PageAllocator(4)
+    p = a.alloc(2)
+    a._refs[p[0]] = 0  # referenced count lost: page neither free nor owned
+    with pytest.raises(IntegrityError, match="free .* referenced"):
+        a.check_integrity()
+    b = PageAllocator(4)
+    b._refs[3] = 1  # page 3 still on the free stack
+    with pytest.raises(IntegrityError, match="both free and referenced"):
+        b.check_integrity()
+
+
+def test_kv_pool_layout_and_slot_writes():
+    cfg = PoolConfig(num_layers=2, num_kv_heads=3, head_dim=4, page_size=2, num_pages=5)
+    pool = KVPool(cfg)
+    assert pool.num_pages == 5 and len(pool.k) == 2 and len(pool.v) == 2
+    assert pool.k[0].shape == (5, 2, 3, 4)  # [num_pages, page_size, H, D]
+    pages = pool.alloc(2)  # pages 0, 1
+    pool.decref(pages[:1])
+    table = np.array([1, 3], dtype=np.int32)  # a sequence living in pages 1 and 3
+    slots = pool.slots(table, 1, 4)  # positions 1, 2, 3
+    assert slots.tolist() == [1 * 2 + 1, 3 * 2 + 0, 3 * 2 + 1]
+    pool.k_flat(1)[slots] = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, 3, 4)
+    assert torch.equal(pool.k[1][1, 1], torch.zeros(3, 4))
+    assert torch.equal(pool.k[1][3, 0], torch.ones(3, 4))
+    assert torch.equal(pool.k[1][3, 1], torch.full((3, 4), 2.0))
+    assert pool.k[0].abs().sum() == 0  # other layers untouched
+    with pytest.raises(ValueError, match="past the page table"):
+        pool.slots(table, 0, 5)
+
+
+def test_kv_pool_sized_from_a_byte_budget():
+    cfg = PoolConfig(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float16, memory_bytes=1000)
+    assert cfg.bytes_per_page == 2 * 2 * 4 * 1 * 8 * 2  # K and V, layers, tokens, heads, dim, fp16
+    assert KVPool(cfg).num_pages == 1000 // 256
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_pages=None), "exactly one"),
+        (dict(num_pages=4, memory_bytes=10**6), "exactly one"),
+        (dict(num_pages=None, memory_bytes=10), "at least one page"),
+        (dict(page_size=0, num_pages=4), "page_size"),
+        (dict(head_dim=-1, num_pages=4), "head_dim"),
+    ],
+)
+def test_pool_config_errors_name_the_field(kwargs, message):
+    base = dict(num_layers=1, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match=message):
+        PoolConfig(**{**base, **kwargs})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kv_pool_on_cuda():
+    pool = KVPool(PoolConfig(num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, num_pages=8, device="cuda"))
+    pages = pool.alloc(2)
+    slots = pool.slots(pages, 0, 5)
+    assert slots.device.type == "cuda"
+    pool.k_flat(0)[slots] = 1.0
+    assert pool.k[0][pages[0]].sum().item() == 4 * 2 * 8
+    pool.decref(pages)
+    pool.check_integrity()
