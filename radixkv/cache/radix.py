@@ -1,0 +1,528 @@
+"""Radix tree over token runs: the prefix cache.
+
+Each edge holds a run of tokens (a whole number of pages) and the KV pages behind it.
+A request's partial last page never enters the tree.
+
+Representation, chosen so that the hot paths run in C:
+
+- a node's tokens are ``bytes`` (int32, native order, 4 bytes a token), so edge
+  comparison is one ``bytes.startswith`` call, and a mismatch inside an edge is found
+  by a binary search of such calls;
+- children are keyed by the bytes of their first page;
+- a node's pages are a 1-D ``np.int32`` array (see ``pool.py``);
+- candidates for eviction live in a lazy heap: ``match_prefix`` and ``insert`` only
+  stamp the deepest node they reach, a removed leaf folds its statistics into its
+  parent, and stale heap entries are re-keyed when they surface. Walks touch each node
+  on the path once, and no operation scans the whole tree.
+
+Tokens may be given as a list or tuple of ints, an ``array('i')``, a NumPy integer
+array or an integer tensor; ``array('i')`` and ``np.int32`` arrays convert without a
+Python-level loop, which is what the engine keeps per request.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import torch
+
+from radixkv.cache.policy import EvictionPolicy, make_policy
+from radixkv.cache.pool import PageAllocator, PageIds, as_page_ids
+from radixkv.errors import IntegrityError
+
+_TOKEN = 4  # bytes per token in a key
+_INT32_MAX = 2**31 - 1
+_EMPTY_PAGES = np.empty(0, dtype=np.int32)
+_EMPTY_PAGES.flags.writeable = False
+
+
+def token_key(tokens, field: str = "tokens") -> bytes:
+    """Encode token ids as the tree's key: int32 in native byte order.
+
+    Any int32 value is a valid token for the tree. Raises ValueError for anything
+    that is not a 1-D run of integers within int32.
+    """
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens.tobytes()
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{field} must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
+        if tokens.dtype != np.int32:
+            if tokens.size and (tokens.min() < -(2**31) or tokens.max() > _INT32_MAX):
+                raise ValueError(f"{field} must fit in int32")
+            tokens = tokens.astype(np.int32)
+        return tokens.tobytes()
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise ValueError(f"{field} must be token ids, not {type(tokens).__name__}")
+    try:
+        return array("i", tokens).tobytes()
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"{field} must be integers that fit in int32: {e}") from None
+
+
+class Node:
+    """One edge of the tree and the node it leads to.
+
+    ``key``: the edge's tokens (int32 bytes); ``pages``: its page ids, one per
+    ``page_size`` tokens; ``lock_ref``: how many locks pin this node (a lock pins its
+    whole path to the root). The statistics feed the eviction policies.
+    """
+
+    __slots__ = (
+        "key", "pages", "children", "parent", "lock_ref",
+        "last_access", "hits", "created", "priority", "in_heap", "alive", "namespace",
+    )  # fmt: skip
+
+    def __init__(self, key: bytes, pages: PageIds, parent: Node | None, tick: int, namespace=None):
+        self.key = key
+        self.pages = pages
+        self.children: dict[bytes, Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = tick
+        self.hits = 0
+        self.created = tick
+        self.priority = 0
+        self.in_heap = False
+        self.alive = True
+        self.namespace = namespace
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) // _TOKEN
+
+    def tokens(self) -> list[int]:
+        """This edge's token ids."""
+        return array("i", self.key).tolist()
+
+    def path_key(self) -> bytes:
+        """All tokens from the root to the end of this node, as a key."""
+        parts = []
+        node = self
+        while node is not None:
+            parts.append(node.key)
+            node = node.parent
+        return b"".join(reversed(parts))
+
+    def __repr__(self) -> str:
+        return f"Node(tokens={self.num_tokens}, pages={len(self.pages)}, lock_ref={self.lock_ref})"
+
+
+class Match(NamedTuple):
+    """Result of ``match_prefix``.
+
+    ``pages``: page ids of the cached prefix (a fresh int32 array; read-only when empty);
+    ``num_tokens``: cached tokens, ``len(pages) * page_size``;
+    ``node``: the node where the match ends (a root when nothing matched), to ``lock``.
+    """
+
+    pages: PageIds
+    num_tokens: int
+    node: Node
+
+
+class TreeStats(NamedTuple):
+    """Counters only grow; the page figures are current values."""
+
+    queried_tokens: int
+    hit_tokens: int
+    inserted_pages: int
+    evicted_pages: int
+    cached_pages: int
+    protected_pages: int
+    evictable_pages: int
+    num_nodes: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class RadixCache:
+    """Prefix cache over whole KV pages, with namespaces and pluggable eviction.
+
+    ``allocator`` is the page pool (``PageAllocator`` or ``KVPool``); the tree holds
+    one reference on every page it contains. Equal tokens under different
+    ``namespace`` values never share pages.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int = 1, policy: str | EvictionPolicy = "lru"):
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if not isinstance(allocator, PageAllocator):
+            raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.policy = make_policy(policy)
+        self._width = page_size * _TOKEN  # bytes per page in a key
+        self._roots: dict[object, Node] = {}
+        self._heap: list[tuple] = []
+        self._seq = 0  # heap tie-breaker
+        self._tick = 0  # logical clock for access statistics
+        self._num_nodes = 0
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.inserted_pages = 0
+        self.evicted_pages = 0
+        self.protected_pages = 0
+
+    # -- queries ---------------------------------------------------------------
+
+    @property
+    def cached_pages(self) -> int:
+        return self.inserted_pages - self.evicted_pages
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.cached_pages - self.protected_pages
+
+    def stats(self) -> TreeStats:
+        """Current counters. Does not mutate."""
+        return TreeStats(
+            self.queried_tokens, self.hit_tokens, self.inserted_pages, self.evicted_pages,
+            self.cached_pages, self.protected_pages, self.evictable_pages, self._num_nodes,
+        )  # fmt: skip
+
+    def root(self, namespace=None) -> Node:
+        """The root of ``namespace``'s tree (created on first use)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = Node(b"", _EMPTY_PAGES, None, 0, namespace)
+        return root
+
+    def nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children. Does not mutate."""
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            stack.extend(node.children.values())
+
+    # -- the four operations ---------------------------------------------------
+
+    def match_prefix(self, tokens, namespace=None) -> Match:
+        """Find the longest cached prefix of ``tokens`` made of whole pages.
+
+        Mutates: may split a node so that the match ends exactly at a node, stamps that
+        node's access time and hit count, and adds to ``queried_tokens`` and
+        ``hit_tokens``. Nothing is locked or referenced: ``lock(match.node)`` before
+        any other call that may evict. Raises ValueError for empty or invalid tokens.
+        """
+        key = tokens.tobytes() if type(tokens) is array and tokens.typecode == "i" else token_key(tokens)
+        if not key:
+            raise ValueError("tokens must not be empty")
+        self.queried_tokens += len(key) // _TOKEN
+        node = self._roots.get(namespace) or self.root(namespace)
+        width = self._width
+        end = len(key) - len(key) % width
+        startswith = key.startswith
+        pos = 0
+        parts = []
+        while pos < end:
+            child = node.children.get(key[pos : pos + width])
+            if child is None:
+                break
+            edge = child.key
+            if startswith(edge, pos):
+                parts.append(child.pages)
+                pos += len(edge)
+                node = child
+                continue
+            node = self._split(child, self._common_pages(key, pos, end, edge))
+            parts.append(node.pages)
+            pos += len(node.key)
+            break
+        self._tick += 1
+        node.last_access = self._tick
+        node.hits += 1
+        self.hit_tokens += pos // _TOKEN
+        if len(parts) > 1:
+            pages = np.concatenate(parts)
+        else:
+            pages = parts[0].copy() if parts else _EMPTY_PAGES
+        return Match(pages, pos // _TOKEN, node)
+
+    def insert(self, tokens, pages, namespace=None, priority: int = 0) -> int:
+        """Cache the whole pages of ``tokens``; return how many tokens were cached already.
+
+        ``pages`` is the sequence's page table (at least one id per whole page; ids
+        past the whole pages are ignored). The tree takes a reference on each page it
+        adds; for the already-cached prefix it keeps its own pages, and the caller's
+        copies of those, like everything the caller owns, are the caller's to release:
+
+            tokens   |== cached already ==|====== new whole pages ======|partial|
+            pages    | caller's duplicates | tree increfs, keeps         | private|
+
+        Mutates: may split a node, adds at most one leaf, stamps the leaf's access time
+        and raises its ``priority`` to at least ``priority``. Raises ValueError (with
+        the tree unchanged in content) for empty tokens, too few pages, or pages that
+        nobody owns.
+        """
+        key = token_key(tokens)
+        if not key:
+            raise ValueError("tokens must not be empty")
+        pages = as_page_ids(pages)
+        width = self._width
+        num_pages = len(key) // width
+        if len(pages) < num_pages:
+            raise ValueError(f"pages has {len(pages)} ids but tokens fill {num_pages} whole pages")
+        end = num_pages * width
+        node = self.root(namespace)
+        pos = 0
+        while pos < end:
+            child = node.children.get(key[pos : pos + width])
+            if child is None:
+                new_pages = pages[pos // width : num_pages].copy()
+                self.allocator.incref(new_pages)
+                leaf = Node(key[pos:end], new_pages, node, self._tick, namespace)
+                node.children[key[pos : pos + width]] = leaf
+                self._num_nodes += 1
+                self.inserted_pages += len(new_pages)
+                self._push(leaf)
+                cached = pos // _TOKEN
+                node = leaf
+                break
+            edge = child.key
+            if key.startswith(edge, pos):
+                pos += len(edge)
+                node = child
+                continue
+            node = self._split(child, self._common_pages(key, pos, end, edge))
+            pos += len(node.key)
+        else:
+            cached = pos // _TOKEN
+        self._tick += 1
+        node.last_access = self._tick
+        if priority > node.priority:
+            node.priority = priority
+        return cached
+
+    def lock(self, node: Node) -> None:
+        """Pin ``node`` and its path to the root against eviction (counted: lock twice,
+        unlock twice). Locking a root does nothing.
+
+        Mutates lock counts. Raises ValueError if ``node`` was evicted.
+        """
+        if not node.alive:
+            raise ValueError("cannot lock a node that was evicted")
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        """Undo one ``lock(node)``. Nodes whose count reaches 0 become evictable.
+
+        Mutates lock counts. Raises ValueError, changing nothing, if ``node`` is not
+        locked or was evicted.
+        """
+        if not node.alive:
+            raise ValueError("cannot unlock a node that was evicted")
+        if node.parent is not None and node.lock_ref <= 0:
+            raise ValueError("node is not locked")
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_pages -= len(node.pages)
+                if not node.children:
+                    self._push(node)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages if unlocked leaves hold them; return how
+        many pages went back to the free stack.
+
+        Leaves go in policy order; a leaf holding more than is still needed loses only
+        its tail pages, and a parent becomes a candidate once its last child is gone:
+
+            leaf edge  |=========== kept ===========|==== dropped ====|
+                        root side                     tail, `need` pages
+
+        Mutates the tree and the allocator. Locked nodes are never touched. Raises
+        ValueError for a negative ``num_pages``.
+        """
+        if not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+            raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        freed = 0
+        while freed < num_pages:
+            # Collect victims for the whole shortfall, then release their pages in one
+            # call; loop again only if some dropped page had another owner.
+            dropped = []
+            taken = 0
+            while freed + taken < num_pages:
+                picked = self._next_victim(num_pages - freed - taken)
+                if picked is None:
+                    break
+                leaf, drop = picked
+                keep = len(leaf.pages) - drop
+                dropped.append(leaf.pages[keep:])
+                taken += drop
+                if keep:
+                    leaf.pages = leaf.pages[:keep]
+                    leaf.key = leaf.key[: keep * self._width]
+                    self._push(leaf)
+                else:
+                    self._remove_leaf(leaf)
+            if not dropped:
+                break
+            self.evicted_pages += taken
+            freed += self.allocator._release(dropped[0] if len(dropped) == 1 else np.concatenate(dropped))
+        return freed
+
+    def _next_victim(self, need: int) -> tuple[Node, int] | None:
+        """The leaf to shrink next and how many tail pages to take from it."""
+        if not self.policy.lazy:
+            leaves = [n for n in self.nodes() if not n.children and not n.lock_ref]
+            return self.policy.choose(leaves, need) if leaves else None
+        heap = self._heap
+        key_of = self.policy.key
+        while heap:
+            stored, _, node = heapq.heappop(heap)
+            if not node.alive or node.children or node.lock_ref:
+                node.in_heap = False
+                continue
+            key = key_of(node)
+            if key != stored:  # touched since it was pushed: re-rank
+                self._seq += 1
+                heapq.heappush(heap, (key, self._seq, node))
+                continue
+            node.in_heap = False
+            return node, min(need, len(node.pages))
+        return None
+
+    # -- internals -------------------------------------------------------------
+
+    def _push(self, node: Node) -> None:
+        if node.in_heap or not self.policy.lazy:
+            return
+        node.in_heap = True
+        self._seq += 1
+        heapq.heappush(self._heap, (self.policy.key(node), self._seq, node))
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """Drop stale entries: keep one entry per evictable leaf."""
+        for _, _, node in self._heap:
+            node.in_heap = False
+        heap = []
+        for node in self.nodes():
+            if not node.children and not node.lock_ref:
+                node.in_heap = True
+                self._seq += 1
+                heap.append((self.policy.key(node), self._seq, node))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def _common_pages(self, key: bytes, pos: int, end: int, edge: bytes) -> int:
+        """Whole pages that ``key[pos:end]`` shares with the start of ``edge`` (>= 1,
+        since the first page matched through the children dict). Binary search."""
+        width = self._width
+        lo, hi = 1, min(len(edge), end - pos) // width
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key.startswith(edge[: mid * width], pos):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _split(self, child: Node, num_pages: int) -> Node:
+        """Cut ``child``'s edge after ``num_pages`` pages; return the new upper node.
+
+        The upper node inherits the child's lock count and statistics (every access
+        and lock that reached the child passed through it).
+        """
+        if num_pages >= len(child.pages):
+            return child
+        cut = num_pages * self._width
+        parent = child.parent
+        upper = Node(child.key[:cut], child.pages[:num_pages], parent, child.created, child.namespace)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.hits = child.hits
+        upper.priority = child.priority
+        child.key = child.key[cut:]
+        child.pages = child.pages[num_pages:]
+        child.parent = upper
+        upper.children[child.key[: self._width]] = child
+        parent.children[upper.key[: self._width]] = upper
+        self._num_nodes += 1
+        return upper
+
+    def _remove_leaf(self, leaf: Node) -> None:
+        parent = leaf.parent
+        del parent.children[leaf.key[: self._width]]
+        leaf.alive = False
+        self._num_nodes -= 1
+        if parent.parent is None:
+            return
+        if leaf.last_access > parent.last_access:
+            parent.last_access = leaf.last_access
+        parent.hits += leaf.hits
+        if leaf.priority > parent.priority:
+            parent.priority = leaf.priority
+        if not parent.children and not parent.lock_ref:
+            self._push(parent)
+
+    # -- checks ----------------------------------------------------------------
+
+    def check_integrity(self, external_refs: dict[int, int] | None = None) -> None:
+        """Walk the tree and cross-check it with the allocator.
+
+        Proves: every edge is whole pages and keyed by its first page; each page is in
+        the tree at most once and is referenced in the pool; lock counts cover their
+        children's; the page counters match the walk; the pool's own integrity. With
+        ``external_refs`` (page id -> references held outside the tree, e.g. by running
+        requests), each page's count must equal tree + external exactly, and pages
+        nobody lists must be free.
+
+        Does not mutate. Raises IntegrityError describing the first violation.
+        """
+        self.allocator.check_integrity()
+        width = self._width
+        in_tree = []
+        protected = 0
+        count = 0
+        for node in self.nodes():
+            count += 1
+            if not node.alive:
+                raise IntegrityError("a dead node is still linked")
+            if not node.key or len(node.key) % width or len(node.pages) * width != len(node.key):
+                raise IntegrityError(f"{node!r}: edge is not a whole number of pages")
+            if node.parent.children.get(node.key[:width]) is not node:
+                raise IntegrityError(f"{node!r}: not keyed by its first page in its parent")
+            below = sum(c.lock_ref for c in node.children.values())
+            if node.lock_ref < below:
+                raise IntegrityError(f"{node!r}: lock count below its children's ({below})")
+            if node.lock_ref:
+                protected += len(node.pages)
+            in_tree.append(node.pages)
+        if count != self._num_nodes:
+            raise IntegrityError(f"node count {self._num_nodes} but the walk found {count}")
+        pages = np.concatenate(in_tree) if in_tree else np.empty(0, dtype=np.int32)
+        if np.unique(pages).size != pages.size:
+            raise IntegrityError("a page is held by two tree nodes")
+        if pages.size != self.cached_pages:
+            raise IntegrityError(f"cached_pages {self.cached_pages} but the walk found {pages.size}")
+        if protected != self.protected_pages:
+            raise IntegrityError(f"protected_pages {self.protected_pages} but the walk found {protected}")
+        refs = self.allocator._refs
+        if pages.size and (refs[pages] < 1).any():
+            raise IntegrityError("the tree holds a page the pool thinks is free")
+        if external_refs is not None:
+            expected = np.zeros_like(refs)
+            expected[pages] += 1
+            for page, n in external_refs.items():
+                expected[page] += n
+            bad = np.flatnonzero(expected != refs)
+            if bad.size:
+                p = int(bad[0])
+                raise IntegrityError(f"page {p}: refcount {refs[p]} but tree + owners hold {expected[p]}")
