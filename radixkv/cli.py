@@ -1,0 +1,156 @@
+"""Command line: ``radixkv demo | sim``.
+
+    radixkv demo                         hit-rate simulation of the built-in workloads
+    radixkv sim TRACE.jsonl [options]    replay your own trace, sweep capacities, plot
+    radixkv sim --workload mixed         the same on a built-in workload
+
+Defaults come from ``SimConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from radixkv.cache.policy import POLICIES
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    page_size: int = 16
+    capacities: tuple[float, ...] = (0.1, 0.2, 0.4, 0.6, 0.8)  # fractions of the unique pages
+    policies: tuple[str, ...] = tuple(POLICIES)
+    in_flight: int = 1
+    belady: bool = True
+    out_dir: str = "out"
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"capacities must be > 0, got {text!r}")
+    return values
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"page counts must be >= 1, got {text!r}")
+    return values
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from radixkv.cache.traces import WORKLOADS
+
+    d = SimConfig()
+    parser = argparse.ArgumentParser(prog="radixkv", description="radixkv: radix-tree prefix-cache LLM runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="simulate the built-in workloads and plot hit rate vs cache size")
+    demo.add_argument("--out-dir", default=d.out_dir, help=f"where plots and JSON go (default {d.out_dir})")
+
+    sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")
+    src = sim.add_mutually_exclusive_group(required=True)
+    src.add_argument("trace", nargs="?", help="JSONL trace, one request a line: {\"tokens\": [...], ...}")
+    src.add_argument("--workload", choices=sorted(WORKLOADS), help="a built-in synthetic workload instead")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the built-in workload (default 0)")
+    sim.add_argument("--page-size", type=_positive, default=d.page_size, help=f"tokens per page (default {d.page_size})")
+    cap = sim.add_mutually_exclusive_group()
+    cap.add_argument(
+        "--capacity", type=_floats, default=d.capacities,
+        help="capacities as fractions of the trace's unique pages (default %(default)s)",
+    )  # fmt: skip
+    cap.add_argument("--capacity-pages", type=_ints, help="capacities in pages, e.g. 1000,4000")
+    sim.add_argument(
+        "--policy", type=_policies, default=d.policies,
+        help=f"comma-separated eviction policies (default {','.join(d.policies)})",
+    )  # fmt: skip
+    sim.add_argument("--no-belady", action="store_true", help="skip the offline Belady reference")
+    sim.add_argument("--in-flight", type=_positive, default=d.in_flight, help="requests in flight at once (default 1)")
+    sim.add_argument("--plot", help="write a PNG of hit rate vs capacity here")
+    sim.add_argument("--json", help="write the full results as JSON here")
+    sim.add_argument("--export-trace", help="write the (built-in) trace as JSONL here")
+    return parser
+
+
+def cmd_sim(args) -> int:
+    from radixkv.cache import sim, traces
+
+    if args.trace:
+        trace = traces.load_jsonl(args.trace)
+        title = Path(args.trace).name
+    else:
+        trace = traces.synthetic(args.workload, args.seed)
+        title = f"{args.workload} (seed {args.seed})"
+    if args.export_trace:
+        traces.dump_jsonl(trace, args.export_trace)
+    result = sim.sweep(
+        trace, args.page_size, args.policy, args.capacity, args.capacity_pages, args.in_flight, not args.no_belady
+    )
+    print(f"{title}: {len(trace)} requests, {result['unique_pages']} unique pages of {args.page_size} tokens")
+    print(sim.format_table(result))
+    if args.json:
+        sim.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        sim.plot(result, args.plot, f"{title}, page size {args.page_size}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from radixkv.cache import sim, traces
+
+    d = SimConfig()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    print("radixkv demo: how much of each prompt the radix-tree prefix cache serves, by cache size")
+    print("(hit rate in % of prompt tokens; columns are capacities in pages, as a share of unique pages)\n")
+    for name in ("multi_turn", "few_shot", "branching"):
+        trace = traces.synthetic(name)
+        result = sim.sweep(trace, d.page_size, d.policies, d.capacities, None, d.in_flight, d.belady)
+        print(f"== {name}: {len(trace)} requests, page size {d.page_size}, {result['unique_pages']} unique pages")
+        print(sim.format_table(result) + "\n")
+        sim.write_json(result, out / f"demo_{name}.json")
+        sim.plot(result, out / f"demo_{name}.png", f"{name}, page size {d.page_size}")
+    print(f"plots and JSON in {out}/")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"sim": cmd_sim, "demo": cmd_demo}[args.command](args)
+    except (ValueError, OSError) as e:
+        print(f"radixkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

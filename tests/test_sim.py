@@ -1,0 +1,181 @@
+import json
+from array import array
+
+import pytest
+
+from radixkv.cache import sim, traces
+from radixkv.cache.traces import TraceRequest
+from radixkv.cli import main
+
+
+def req(tokens, **kw):
+    return TraceRequest(array("i", tokens), **kw)
+
+
+SHARED = list(range(100, 110))  # 10 tokens
+
+
+def test_second_request_hits_the_shared_prefix():
+    trace = [req(SHARED + [1, 2]), req(SHARED + [3, 4, 5])]
+    r = sim.replay(trace, None, page_size=1)
+    assert (r.queried_tokens, r.hit_tokens, r.evicted_pages, r.rejected) == (25, 10, 0, 0)
+    assert r.cached_pages == 15  # 10 shared + 2 + 3
+    r4 = sim.replay(trace, None, page_size=4)
+    assert r4.hit_tokens == 8  # only the two whole shared pages
+
+
+def test_capacity_forces_evictions_and_policy_matters():
+    a, b = [1] * 8, [2] * 8
+    # Room for two of a, b, c. c arrives after a was reused: LRU drops b (so b misses,
+    # and makes a miss in turn); FIFO drops a, the oldest insert (so b hits).
+    trace = [req(a), req(b), req(a), req([3] * 8), req(b), req(a)]
+    lru = sim.replay(trace, 16, 1, "lru")
+    fifo = sim.replay(trace, 16, 1, "fifo")
+    assert lru.hit_tokens == 8  # only the second a
+    assert fifo.hit_tokens == 16  # the second a and the second b
+    assert lru.evicted_pages > 0 and fifo.evicted_pages > 0
+
+
+def test_in_flight_requests_do_not_see_each_others_pages():
+    trace = [req(SHARED), req(SHARED + [1])]
+    assert sim.replay(trace, None, 1, in_flight=1).hit_tokens == 10
+    assert sim.replay(trace, None, 1, in_flight=2).hit_tokens == 0
+
+
+def test_listed_outputs_are_cached_for_the_next_turn_and_counts_are_not():
+    turn1 = req(SHARED, output_tokens=array("i", [7, 7, 7]))
+    turn2 = req(SHARED + [7, 7, 7, 9])
+    assert sim.replay([turn1, turn2], None, 1).hit_tokens == 13
+    counted = req(SHARED, output_tokens=3)  # fresh ids that no prompt repeats
+    assert sim.replay([counted, turn2], None, 1).hit_tokens == 10
+
+
+def test_request_larger_than_the_pool_is_rejected_cleanly():
+    trace = [req(list(range(30))), req([1, 2])]
+    r = sim.replay(trace, 8, 1)
+    assert r.rejected == 1 and r.requests == 2  # replay also checks pool integrity at the end
+
+
+def test_namespaces_do_not_share_in_the_simulator():
+    trace = [req(SHARED, namespace="a"), req(SHARED, namespace="b"), req(SHARED, namespace="a")]
+    assert sim.replay(trace, None, 1).hit_tokens == 10
+
+
+@pytest.mark.parametrize("name", ["multi_turn", "branching"])
+def test_belady_bounds_the_online_policies(name):
+    trace = traces.synthetic(name)[:300]
+    unlimited = sim.replay(trace, None, 16)
+    cap = int(0.3 * unlimited.cached_pages)
+    belady = sim.replay(trace, cap, 16, "belady")
+    for policy in ("lru", "lfu", "fifo"):
+        assert sim.replay(trace, cap, 16, policy).hit_tokens <= belady.hit_tokens
+    assert belady.hit_tokens <= unlimited.hit_tokens
+
+
+def test_belady_keeps_what_is_needed_next():
+    a, b, c = [1] * 4, [2] * 4, [3] * 4
+    # After a, b: room for 8 pages. c needs 4: LRU drops a (oldest), Belady drops b
+    # (a is needed next, b never again).
+    trace = [req(a), req(b), req(c), req(a)]
+    assert sim.replay(trace, 8, 1, "lru").hit_tokens == 0
+    assert sim.replay(trace, 8, 1, "belady").hit_tokens == 4
+
+
+def test_sweep_reports_every_policy_and_capacity():
+    trace = traces.synthetic("branching")
+    result = sim.sweep(trace, 16, ("lru", "lfu"), fractions=(0.2, 0.5))
+    assert result["unique_pages"] == sim.replay(trace, None, 16).cached_pages
+    assert [(r["policy"], round(r["capacity_fraction"], 1)) for r in result["runs"]] == [
+        ("lru", 0.2), ("lru", 0.5), ("lfu", 0.2), ("lfu", 0.5), ("belady", 0.2), ("belady", 0.5),
+    ]  # fmt: skip
+    table = sim.format_table(result)
+    assert "belady" in table and "unlimited" in table
+
+
+def test_synthetic_workloads_are_seeded_and_shaped_as_specified():
+    mt = traces.synthetic("multi_turn")
+    assert len(mt) == 100 * 18
+    assert [r.tokens for r in mt[:50]] == [r.tokens for r in traces.synthetic("multi_turn")[:50]]
+    assert mt[0].tokens != traces.synthetic("multi_turn", seed=1)[0].tokens
+    assert 50 <= len(mt[0].tokens) <= 200  # a first turn
+    fs = traces.synthetic("few_shot")
+    assert len(fs) == 200 and all(len(r.tokens) == 1050 and r.tokens[:1000] == fs[0].tokens[:1000] for r in fs)
+    br = traces.synthetic("branching")
+    assert len(br) == 3 + 9 + 27 + 81 and len(br[-1].tokens) == 500
+    assert len(traces.synthetic("mixed")) == 2000
+    with pytest.raises(ValueError, match="workload must be one of"):
+        traces.synthetic("nope")
+
+
+def test_jsonl_round_trip(tmp_path):
+    trace = [req([1, 2, 3], namespace="x", output_tokens=4, priority=2), req([5], output_tokens=array("i", [6]))]
+    path = tmp_path / "t.jsonl"
+    traces.dump_jsonl(trace, path)
+    assert traces.load_jsonl(path) == trace
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", r"bad.jsonl:2: not valid JSON"),
+        ('{"text": "hello"}', "'text' needs a tokenizer"),
+        ('{"tokens": []}', "'tokens' must not be empty"),
+        ('{"tokens": [1, "a"]}', "'tokens' must be a list of integer"),
+        ('{"tokens": [1], "output_tokens": -1}', "'output_tokens' must be"),
+        ('{"tokens": [1], "namespace": 3}', "'namespace' must be a string"),
+        ('{"tokens": [1], "colour": 3}', "unknown field"),
+        ('{"tokens": [99999999999]}', "outside int32"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_bad_trace_lines_name_line_and_field(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"tokens": [1, 2]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        traces.load_jsonl(path)
+
+
+def test_cli_sim_on_a_trace_file_writes_table_json_and_plot(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    traces.dump_jsonl(traces.synthetic("branching"), trace)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["sim", str(trace), "--page-size", "16", "--capacity", "0.25,0.5", "--policy", "lru,fifo",
+               "--json", str(out_json), "--plot", str(out_png)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "120 requests" in text and "lru" in text and "fifo" in text and "belady" in text
+    result = json.loads(out_json.read_text())
+    assert len(result["runs"]) == 3 * 2
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_sim_builtin_workload_and_export(tmp_path, capsys):
+    export = tmp_path / "few.jsonl"
+    assert main(["sim", "--workload", "few_shot", "--capacity-pages", "100", "--no-belady",
+                 "--policy", "lru", "--export-trace", str(export)]) == 0  # fmt: skip
+    assert len(traces.load_jsonl(export)) == 200
+    assert "belady" not in capsys.readouterr().out
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "hi"}\n')
+    assert main(["sim", str(bad)]) == 2
+    assert "needs a tokenizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "--workload", "few_shot", "--policy", "mru"])
+    assert "unknown policy 'mru'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "--workload", "few_shot", "--capacity", "0,1"])
+    assert "capacities must be > 0" in capsys.readouterr().err
+    assert main(["sim", str(tmp_path / "missing.jsonl")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_cli_demo_runs(tmp_path, capsys):
+    assert main(["demo", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "multi_turn" in out and "few_shot" in out and "branching" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"demo_{n}.{ext}" for n in ("branching", "few_shot", "multi_turn") for ext in ("json", "png")
+    ]
