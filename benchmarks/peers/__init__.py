@@ -1,0 +1,1 @@
+"""Peer adapters: replay benchmark traces against other projects' prefix caches."""
