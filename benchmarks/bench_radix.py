@@ -6,7 +6,7 @@ time, the way the engine drives the tree:
 
     match -> lock -> evict (only when the pool is short) -> alloc -> insert -> unlock
 
-and times each tree call. SGLang's own radix tree (``sglang.srt.mem_cache.radix_cache``)
+and times each tree call (lock and unlock together). SGLang's own radix tree (``sglang.srt.mem_cache.radix_cache``)
 replays the same trace in the same run when it is installed
 (``bash benchmarks/peers/setup_sglang.sh``); Belady's offline policy and unlimited
 capacity give the hit-rate references.
@@ -37,7 +37,8 @@ OPS = ("match", "insert", "evict", "lock")
 
 
 def replay_timed(prompts, capacity_pages: int, page_size: int) -> dict:
-    """One request at a time; each tree call timed on its own (perf_counter_ns)."""
+    """One request at a time; each tree call timed on its own (perf_counter_ns).
+    ``lock`` is a request's lock plus its unlock."""
     allocator = PageAllocator(capacity_pages)
     tree = RadixCache(allocator, page_size)
     times = {op: [] for op in OPS}
@@ -68,7 +69,9 @@ def replay_timed(prompts, capacity_pages: int, page_size: int) -> dict:
             t0 = clock()
             tree.insert(tokens, table)
             times["insert"].append(clock() - t0)
+            t0 = clock()
             tree.unlock(match.node)
+            times["lock"][-1] += clock() - t0
             allocator.decref(table)
     finally:
         gc.enable()

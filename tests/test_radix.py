@@ -291,3 +291,61 @@ def test_heap_stays_bounded_under_repeated_touches():
     assert len(t._heap) <= 2 * t.stats().num_nodes + 64
     assert t.evict(150) == 150
     t.check_integrity(external_refs={})
+
+
+def test_unlock_merges_a_growing_conversation_into_one_edge():
+    a, t = make()
+    prompt = [1, 2, 3]
+    owned = []
+    for turn in range(4):
+        m = t.match_prefix(prompt)
+        t.lock(m.node)
+        a.incref(m.pages)
+        table = np.concatenate([m.pages, a.alloc(len(prompt) - len(m.pages))])
+        assert t.insert(prompt, table) == len(m.pages)
+        t.unlock(m.node)  # the matched node is now folded into the new leaf
+        a.decref(table)
+        owned = table.tolist()
+        prompt = prompt + [10 + turn, 20 + turn]
+    assert t.stats().num_nodes == 1
+    (leaf,) = t.nodes()
+    assert leaf.pages.tolist() == owned == list(range(9))
+    assert t.match_prefix([1, 2, 3, 10, 20, 11, 21, 12, 22]).pages.tolist() == owned
+    t.check_integrity(external_refs={})
+
+
+def test_merge_waits_while_the_parent_is_locked_and_keeps_deeper_handles():
+    a, t = make()
+    put(t, [1, 2])
+    outer = t.match_prefix([1, 2]).node
+    t.lock(outer)
+    put(t, [1, 2, 3, 4])  # child of the locked node
+    inner = t.match_prefix([1, 2, 3, 4]).node
+    t.lock(inner)
+    t.unlock(outer)  # still pinned through inner: no merge yet
+    assert t.stats().num_nodes == 2
+    t.unlock(inner)  # now [1,2] folds into inner, which survives
+    assert t.stats().num_nodes == 1 and inner.alive and not outer.alive
+    assert inner.tokens() == [1, 2, 3, 4] and inner.pages.tolist() == [0, 1, 2, 3]
+    t.lock(inner)
+    assert t.evict(4) == 0
+    t.unlock(inner)
+    assert t.evict(4) == 4
+    t.check_integrity(external_refs={})
+
+
+def test_merged_edge_keeps_the_latest_access_of_its_parts():
+    a, t = make()
+    put(t, [1, 2])
+    put(t, [9, 9])
+    m = t.match_prefix([1, 2])
+    t.lock(m.node)
+    t.match_prefix([9, 9])  # touched after [1, 2] was matched, before the insert below
+    a.incref(m.pages)
+    table = np.concatenate([m.pages, a.alloc(2)])
+    t.insert([1, 2, 3, 4], table)  # the newest access
+    t.unlock(m.node)
+    a.decref(table)
+    assert t.stats().num_nodes == 2
+    assert t.evict(2) == 2
+    assert t.match_prefix([1, 2, 3, 4]).num_tokens == 4 and t.match_prefix([9, 9]).num_tokens == 0

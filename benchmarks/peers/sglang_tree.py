@@ -204,7 +204,7 @@ def replay(prompts: list[list[int]], capacity_pages: int, page_size: int) -> dic
     the shortfall and reject the request if it is still short; allocate the
     new pages, time ``insert`` of the whole prompt (value = matched slots +
     new slots), then, untimed, free what the tree did not take the way
-    SGLang's scheduler does and ``dec_lock_ref``.
+    SGLang's scheduler does, and ``dec_lock_ref`` (timed into ``lock``).
 
     Returns ``hit_rate`` (hit/queried tokens, rejected requests included:
     their match still happened), ``queried_tokens``, ``hit_tokens``,
@@ -281,7 +281,9 @@ def replay(prompts: list[list[int]], capacity_pages: int, page_size: int) -> dic
         allocator.free_segment(value[matched : result.prefix_len], start_pos=matched)
         aligned = num_tokens // page_size * page_size
         allocator.free_segment(value[aligned:], start_pos=aligned)
+        start = time.perf_counter_ns()
         tree.dec_lock_ref(node)
+        timings["lock"][-1] += _elapsed_us(start)
 
     _check_no_leak(tree, allocator, capacity_pages)
     return {

@@ -320,20 +320,27 @@ class RadixCache:
     def unlock(self, node: Node) -> None:
         """Undo one ``lock(node)``. Nodes whose count reaches 0 become evictable.
 
-        Mutates lock counts. Raises ValueError, changing nothing, if ``node`` is not
-        locked or was evicted.
+        An unlocked node left with a single child is merged into that child, so a
+        conversation that grows turn by turn stays one edge instead of a chain of
+        them: ``node`` itself may be gone afterwards (match again to get a handle).
+
+        Mutates lock counts and may merge nodes. Raises ValueError, changing nothing,
+        if ``node`` is not locked or was evicted.
         """
         if not node.alive:
             raise ValueError("cannot unlock a node that was evicted")
         if node.parent is not None and node.lock_ref <= 0:
             raise ValueError("node is not locked")
         while node.parent is not None:
+            parent = node.parent
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.protected_pages -= len(node.pages)
                 if not node.children:
                     self._push(node)
-            node = node.parent
+                elif len(node.children) == 1:
+                    self._merge_into_child(node)
+            node = parent
 
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` pages if unlocked leaves hold them; return how
@@ -456,6 +463,26 @@ class RadixCache:
         parent.children[upper.key[: self._width]] = upper
         self._num_nodes += 1
         return upper
+
+    def _merge_into_child(self, node: Node) -> None:
+        """Fold an unlocked node with one child into that child (the child object
+        survives, so handles to deeper nodes stay valid). Statistics combine the way
+        a removed leaf's fold into its parent, so no policy key decreases."""
+        (child,) = node.children.values()
+        parent = node.parent
+        child.key = node.key + child.key
+        child.pages = np.concatenate((node.pages, child.pages))
+        child.parent = parent
+        parent.children[node.key[: self._width]] = child
+        if node.last_access > child.last_access:
+            child.last_access = node.last_access
+        child.hits += node.hits
+        if node.priority > child.priority:
+            child.priority = node.priority
+        if node.created > child.created:
+            child.created = node.created
+        node.alive = False
+        self._num_nodes -= 1
 
     def _remove_leaf(self, leaf: Node) -> None:
         parent = leaf.parent
