@@ -1,5 +1,39 @@
-"""Attention backends (installed as ``radixkv.kernels``).
+"""Attention backends (installed as ``radixkv.kernels``), chosen by name.
 
-This package imports nothing from the rest of radixkv. The backends (torch reference,
-Triton, FlashInfer) arrive with the model and kernels issues.
+This package imports nothing from the rest of radixkv. A backend works on one
+ragged batch described in FlashInfer's CSR convention by any object with these
+attributes (``radixkv.engine.batch.ForwardBatch`` is one):
+
+    qo_indptr [B+1] int32, kv_indptr [B+1] int32, kv_indices [nnz] int32,
+    kv_last_page_len [B] int32, out_slots [T] int64,
+    qo_lens / seq_lens (host tuples of B ints), page_size (int)
+
+``plan(batch)`` runs once per forward pass; ``forward`` once per layer writes the new
+tokens' K/V into the paged cache at ``out_slots`` and then attends: causally among a
+sequence's new tokens, fully to its cached prefix, with GQA/MQA.
 """
+
+from __future__ import annotations
+
+from typing import Callable
+
+from radixkv.kernels.base import AttentionBackend
+
+
+def _torch() -> AttentionBackend:
+    from radixkv.kernels.torch_ref import TorchBackend
+
+    return TorchBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch}
+
+
+def get_backend(name: str = "torch") -> AttentionBackend:
+    """A fresh backend instance by name. Raises ValueError naming the known ones."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]()
+
+
+__all__ = ["AttentionBackend", "BACKENDS", "get_backend"]

@@ -1,0 +1,95 @@
+"""Reference attention backend in plain torch: gather each sequence's pages, then SDPA.
+
+Correct on CPU and GPU for any page size; the other backends are tested against it.
+A batch made only of single-token sequences (decode) runs as one padded SDPA call;
+anything else runs sequence by sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.kernels.base import AttentionBackend
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, batch) -> None:
+        ps = batch.page_size
+        device = batch.kv_indices.device
+        offsets = torch.arange(ps, device=device, dtype=torch.int64)
+        slots = (batch.kv_indices.to(torch.int64)[:, None] * ps + offsets).flatten()  # [nnz * ps]
+        kv_ptr = batch.kv_indptr.tolist()
+        self.kv_slots = [slots[kv_ptr[i] * ps : kv_ptr[i] * ps + n] for i, n in enumerate(batch.seq_lens)]
+        self.qo_lens = batch.qo_lens
+        self.seq_lens = batch.seq_lens
+        self.out_slots = batch.out_slots
+        self.decode = len(self.qo_lens) > 1 and all(n == 1 for n in self.qo_lens)
+        if self.decode:
+            longest = max(self.seq_lens)
+            pad = torch.empty(len(self.seq_lens), longest, dtype=torch.int64, device=device)
+            for i, s in enumerate(self.kv_slots):
+                pad[i, : len(s)] = s
+                pad[i, len(s) :] = s[0]  # masked out; any written slot keeps garbage (NaN) away
+            lens = torch.tensor(self.seq_lens, device=device)
+            self.pad_slots = pad
+            self.pad_pos = torch.arange(longest, device=device)[None, :]
+            self.pad_len = lens[:, None]
+
+    def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, logit_softcap=None):
+        heads, dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, heads, dim)
+        v_flat = v_cache.view(-1, heads, dim)
+        k_flat[self.out_slots] = k.to(k_flat.dtype)
+        v_flat[self.out_slots] = v.to(v_flat.dtype)
+        if self.decode:
+            return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
+        out = torch.empty_like(q)
+        start = 0
+        for n, total, slots in zip(self.qo_lens, self.seq_lens, self.kv_slots):
+            qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+            ki = k_flat[slots].transpose(0, 1).to(q.dtype)  # [Hkv, total, D]
+            vi = v_flat[slots].transpose(0, 1).to(q.dtype)
+            if logit_softcap is None and sliding_window is None and (n == total or n == 1):
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
+            else:
+                q_pos = torch.arange(total - n, total, device=q.device)[:, None]
+                kv_pos = torch.arange(total, device=q.device)[None, :]
+                mask = kv_pos <= q_pos
+                if sliding_window is not None:
+                    mask &= kv_pos > q_pos - sliding_window
+                if logit_softcap is None:
+                    oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+                else:
+                    oi = _attend(qi, ki, vi, mask, scale, logit_softcap)
+            out[start : start + n] = oi.transpose(0, 1)
+            start += n
+        return out
+
+    def _decode(self, q, k_flat, v_flat, scale, sliding_window, logit_softcap):
+        kb = k_flat[self.pad_slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
+        vb = v_flat[self.pad_slots].permute(0, 2, 1, 3).to(q.dtype)
+        mask = self.pad_pos < self.pad_len  # [B, L]
+        if sliding_window is not None:
+            mask &= self.pad_pos >= self.pad_len - sliding_window
+        mask = mask[:, None, None, :]
+        qb = q[:, :, None, :]  # [B, Hq, 1, D]
+        if logit_softcap is None:
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            out = _attend(qb, kb, vb, mask, scale, logit_softcap)
+        return out[:, :, 0, :]
+
+
+def _attend(q, k, v, mask, scale, logit_softcap):
+    """Explicit attention, for what SDPA cannot express (soft-capped logits)."""
+    group = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)

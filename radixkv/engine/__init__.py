@@ -1,0 +1,1 @@
+"""Requests, scheduler, batch metadata, model runner, sampling and the Engine."""

@@ -1,0 +1,167 @@
+"""Model configuration for Llama-family decoders (Llama, Mistral, Qwen2, SmolLM).
+
+One frozen dataclass, built from an HF ``config.json`` dict or from GGUF metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from radixkv.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_KINDS = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``default`` leaves the frequencies alone; ``linear``
+    divides them by ``factor``; ``llama3`` scales low frequencies by ``factor`` and
+    blends between ``low_freq_factor`` and ``high_freq_factor`` wavelengths."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None = None  # Mistral-style local attention, in tokens
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.rope_scaling.kind not in ROPE_KINDS:
+            raise ModelLoadError(f"unsupported rope scaling {self.rope_scaling.kind!r}; supported: {', '.join(ROPE_KINDS)}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        """From an HF ``config.json`` dict."""
+        arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported model_type {arch!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=_rope_from_hf(rope),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+            sliding_window=window,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: dict, tie_word_embeddings: bool) -> ModelConfig:
+        """From GGUF metadata (``gguf_file.metadata``); whether the file has its own
+        output matrix decides ``tie_word_embeddings``."""
+        arch = meta.get("general.architecture", "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def get(key, default=None):
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        heads = get("attention.head_count")
+        hidden = get("embedding_length")
+        kind = meta.get(f"{arch}.rope.scaling.type", "none")
+        rope = RopeScaling()
+        if kind == "linear":
+            rope = RopeScaling("linear", float(get("rope.scaling.factor")))
+        elif kind not in ("none", None):
+            raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}")
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_layers=get("block_count"),
+            num_heads=heads,
+            num_kv_heads=get("attention.head_count_kv", heads),
+            head_dim=get("attention.key_length", hidden // heads),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope,
+            max_position_embeddings=get("context_length", 4096),
+            tie_word_embeddings=tie_word_embeddings,
+            attention_bias=arch == "qwen2",
+            sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        )
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies [head_dim // 2], float32, with scaling applied."""
+        dim = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        s = self.rope_scaling
+        if s.kind == "linear":
+            inv = inv / s.factor
+        elif s.kind == "llama3":
+            low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+            high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+            wavelen = 2 * torch.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = torch.where(medium, blended, scaled)
+        return inv
+
+
+def _rope_from_hf(rope: dict) -> RopeScaling:
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(rope["factor"]),
+            float(rope.get("low_freq_factor", 1.0)),
+            float(rope.get("high_freq_factor", 4.0)),
+            int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_KINDS)}")

@@ -1,0 +1,133 @@
+"""Llama-family decoder over a paged KV pool (Llama, Mistral, Qwen2, SmolLM).
+
+RMSNorm, RoPE (half-split layout, as HF stores q/k), GQA/MQA attention through a
+backend from ``radixkv.kernels``, SwiGLU MLP, tied or untied output head. One
+``forward`` computes a whole ragged batch (``ForwardBatch``): every sequence's new
+tokens, attending to the KV already in the pool, whose new K/V are written at
+``out_slots``.
+
+The arithmetic follows HF transformers' Llama step by step (norms in float32, the
+same RoPE tables), so results match it to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.cache.pool import KVPool
+from radixkv.engine.batch import ForwardBatch
+from radixkv.kernels import AttentionBackend, get_backend
+from radixkv.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]: q, k, v projections stacked
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2)
+    o: torch.Tensor  # [hidden, Hq * D]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up stacked
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    """Weights and the forward pass. Build with ``from_state_dict`` (HF tensor names)."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor):  # fmt: skip
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaModel:
+        """Build from HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...)."""
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv_bias = None
+            if config.attention_bias:
+                qkv_bias = torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            layers.append(
+                LayerWeights(
+                    attn_norm=sd[p + "input_layernorm.weight"],
+                    qkv=torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                    qkv_bias=qkv_bias,
+                    o=sd[p + "self_attn.o_proj.weight"],
+                    mlp_norm=sd[p + "post_attention_layernorm.weight"],
+                    gate_up=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
+                    down=sd[p + "mlp.down_proj.weight"],
+                )
+            )
+        embed = sd["model.embed_tokens.weight"]
+        lm_head = embed if config.tie_word_embeddings else sd["lm_head.weight"]
+        return cls(config, embed, layers, sd["model.norm.weight"], lm_head)
+
+    # -- forward ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        backend: AttentionBackend | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Logits (float32) for the last new token of each sequence, ``[B, vocab]``, or
+        for every new token with ``all_logits``, ``[T, vocab]``. Writes the new tokens'
+        K/V into ``pool`` at ``batch.out_slots``."""
+        cfg = self.config
+        backend = backend or get_backend("torch")
+        backend.plan(batch)
+        cos, sin = self._rope(batch.positions)
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        scale = d**-0.5
+        x = F.embedding(batch.input_ids, self.embed)
+        for i, w in enumerate(self.layers):
+            h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = _apply_rope(q.view(-1, hq, d), cos, sin)
+            k = _apply_rope(k.view(-1, hkv, d), cos, sin)
+            o = backend.forward(q, k, v.view(-1, hkv, d), pool.k[i], pool.v[i], scale, cfg.sliding_window)
+            x = x + F.linear(o.reshape(-1, hq * d), w.o)
+            h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        if not all_logits:
+            x = x[(batch.qo_indptr[1:] - 1).long()]
+        x = _rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for ``positions``: [T, 1, D] each, in the model dtype."""
+        needed = int(positions.max()) + 1
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < needed:
+            length = max(needed, min(self.config.max_position_embeddings, 8192))
+            inv = self.config.inv_freq().to(self.device)
+            freqs = torch.arange(length, device=self.device, dtype=torch.float32)[:, None] * inv[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._rope_cache = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+        cos, sin = self._rope_cache
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

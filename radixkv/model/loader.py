@@ -1,0 +1,147 @@
+"""Load weights as HF-named tensors from a GGUF file or a local HF directory.
+
+GGUF tensors are dequantized with the ``gguf`` package. llama.cpp stores the q and k
+projections with their rows interleaved for its rotary layout; they are put back in
+HF's half-split order here, so both sources yield the same state dict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from radixkv.errors import ModelLoadError
+from radixkv.model.config import ModelConfig
+from radixkv.model.gguf_file import metadata, open_gguf
+from radixkv.model.llama import LlamaModel
+from radixkv.model.registry import ModelSource, resolve_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# GGUF tensor name (per layer after "blk.N.") -> HF name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head, rows go from interleaved pairs back
+    to HF's halves. Works for weights [rows, cols] and biases [rows]."""
+    rows = w.shape[0]
+    tail = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *tail).swapaxes(1, 2).reshape(rows, *tail)
+
+
+def load_gguf_state_dict(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and float32 HF-named tensors of a GGUF file. Raises ModelLoadError for an
+    unsupported architecture or quantization type."""
+    from gguf.quants import dequantize
+
+    reader = open_gguf(str(path))
+    meta = metadata(path)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf(meta, tie_word_embeddings="output.weight" not in names)
+    sd = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_GLOBAL_NAMES:
+            name = _GGUF_GLOBAL_NAMES[t.name]
+        else:
+            parts = t.name.split(".", 2)
+            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+                continue  # e.g. rope_freqs: derived from the config instead
+            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{path}: tensor {t.name} uses unsupported quantization {t.tensor_type.name}") from None
+        w = np.array(w, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])  # a copy: the file is mapped read-only
+        if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_rotary(w, config.num_heads)
+        elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_rotary(w, config.num_kv_heads)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+    _check_complete(sd, config, path)
+    return config, sd
+
+
+def load_hf_state_dict(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and HF-named tensors (as stored) of an HF directory: ``config.json`` plus
+    ``model.safetensors`` or shards listed in ``model.safetensors.index.json``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"{path}/config.json is missing or incomplete: {e}") from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    sd = {}
+    for name in files:
+        sd.update(load_file(str(path / name)))
+    _check_complete(sd, config, path)
+    return config, sd
+
+
+def _check_complete(sd: dict, config: ModelConfig, path) -> None:
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    for i in range(config.num_layers):
+        needed += [f"model.layers.{i}.{n}" for n in _GGUF_LAYER_NAMES.values() if not n.endswith(".bias")]
+        if config.attention_bias:
+            needed += [f"model.layers.{i}.self_attn.{n}_proj.bias" for n in "qkv"]
+    missing = [n for n in needed if n not in sd]
+    if missing:
+        raise ModelLoadError(f"{path}: missing tensors, e.g. {missing[:3]} ({len(missing)} in all)")
+
+
+def load_state_dict(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    if source.format == "gguf":
+        return load_gguf_state_dict(source.path)
+    return load_hf_state_dict(source.path)
+
+
+def load_model(
+    model: str | Path = "smollm2-135m-instruct",
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> LlamaModel:
+    """Resolve ``model`` (a registered name, a .gguf file or an HF directory) and build
+    it in ``dtype`` on ``device``."""
+    dtype = as_dtype(dtype)
+    config, sd = load_state_dict(resolve_model(model))
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    return LlamaModel.from_state_dict(config, sd)
