@@ -42,16 +42,20 @@ class TorchBackend(AttentionBackend):
         heads, dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, heads, dim)
         v_flat = v_cache.view(-1, heads, dim)
-        k_flat[self.out_slots] = k.to(k_flat.dtype)
-        v_flat[self.out_slots] = v.to(v_flat.dtype)
+        k_flat.index_copy_(0, self.out_slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, self.out_slots, v.to(v_flat.dtype))
         if self.decode:
             return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
         start = 0
         for n, total, slots in zip(self.qo_lens, self.seq_lens, self.kv_slots):
-            qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-            ki = k_flat[slots].transpose(0, 1).to(q.dtype)  # [Hkv, total, D]
-            vi = v_flat[slots].transpose(0, 1).to(q.dtype)
+            if n == total:  # nothing cached: the new K/V are the whole sequence
+                ki, vi = k[start : start + n], v[start : start + n]
+            else:
+                ki = k_flat.index_select(0, slots).to(q.dtype)
+                vi = v_flat.index_select(0, slots).to(q.dtype)
+            # 4-D [1, H, len, D]: SDPA's fused CPU kernel handles GQA only in this form.
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[start : start + n], ki, vi))
             if logit_softcap is None and sliding_window is None and (n == total or n == 1):
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
             else:
@@ -64,13 +68,14 @@ class TorchBackend(AttentionBackend):
                     oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
                 else:
                     oi = _attend(qi, ki, vi, mask, scale, logit_softcap)
-            out[start : start + n] = oi.transpose(0, 1)
+            out[start : start + n] = oi[0].transpose(0, 1)
             start += n
         return out
 
     def _decode(self, q, k_flat, v_flat, scale, sliding_window, logit_softcap):
-        kb = k_flat[self.pad_slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
-        vb = v_flat[self.pad_slots].permute(0, 2, 1, 3).to(q.dtype)
+        shape = (*self.pad_slots.shape, *k_flat.shape[1:])
+        kb = k_flat.index_select(0, self.pad_slots.view(-1)).view(shape).permute(0, 2, 1, 3).to(q.dtype)
+        vb = v_flat.index_select(0, self.pad_slots.view(-1)).view(shape).permute(0, 2, 1, 3).to(q.dtype)
         mask = self.pad_pos < self.pad_len  # [B, L]
         if sliding_window is not None:
             mask &= self.pad_pos >= self.pad_len - sliding_window

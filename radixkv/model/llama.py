@@ -95,10 +95,10 @@ class LlamaModel:
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = _apply_rope(q.view(-1, hq, d), cos, sin)
-            k = _apply_rope(k.view(-1, hkv, d), cos, sin)
-            o = backend.forward(q, k, v.view(-1, hkv, d), pool.k[i], pool.v[i], scale, cfg.sliding_window)
+            qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k at once
+            q, k = qk.split([hq, hkv], dim=1)
+            v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+            o = backend.forward(q, k, v, pool.k[i], pool.v[i], scale, cfg.sliding_window)
             x = x + F.linear(o.reshape(-1, hq * d), w.o)
             h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
