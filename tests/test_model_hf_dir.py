@@ -104,3 +104,69 @@ def test_missing_weights_and_paths_are_clear_errors(tmp_path):
 def test_bad_dtype_names_the_choices():
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
         load_model(dtype="float64")
+
+
+def write_gguf(path, hf_model, architecture="llama"):
+    """A float32 GGUF of ``hf_model`` laid out as llama.cpp writes it (q/k rows permuted)."""
+    import gguf
+
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+
+    def permute(t, heads):  # HF halves -> llama.cpp interleaved pairs
+        rows = t.shape[0]
+        return t.reshape(heads, 2, rows // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {v: k for k, v in {
+        "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}.items()}  # fmt: skip
+    layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    for name, tensor in hf_model.state_dict().items():
+        t = tensor.detach().numpy().astype(np.float32)
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers.") :].split(".", 1)
+            gname = f"blk.{i}.{layer[rest]}"
+            if rest == "self_attn.q_proj.weight":
+                t = permute(t, cfg.num_attention_heads)
+            elif rest == "self_attn.k_proj.weight":
+                t = permute(t, cfg.num_key_value_heads)
+        else:
+            gname = names[name]
+        w.add_tensor(gname, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_written_like_llama_cpp_loads_to_the_hf_weights(tmp_path):
+    hf = write_checkpoint(tmp_path / "hf", "llama")
+    write_gguf(tmp_path / "tiny.gguf", hf)
+    from radixkv.model import load_state_dict
+
+    config, sd = load_state_dict(resolve_model(tmp_path / "tiny.gguf"))
+    assert config.num_kv_heads == 2 and not config.tie_word_embeddings
+    theirs = hf.state_dict()
+    assert set(sd) == set(theirs)
+    for name, tensor in sd.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_gguf_with_an_unsupported_architecture_is_a_clear_error(tmp_path):
+    hf = write_checkpoint(tmp_path / "hf", "llama")
+    write_gguf(tmp_path / "odd.gguf", hf, architecture="mamba")
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'mamba'"):
+        load_model(tmp_path / "odd.gguf")

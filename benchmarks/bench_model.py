@@ -1,0 +1,140 @@
+"""Model forward benchmark: prefill and batched decode, radixkv vs HF transformers.
+
+Both run the embedded SmolLM2-135M-Instruct (the same GGUF, dequantized to float32) on
+the CPU, in the same process, one after the other:
+
+- prefill: one 512-token prompt, logits for its last token only (transformers gets
+  ``logits_to_keep=1`` too, as its ``generate`` does);
+- decode: 16 sequences with 128-token prompts, then 32 greedy steps of one token each,
+  radixkv through its paged pool, transformers through its KV cache.
+
+    .venv/bin/python benchmarks/bench_model.py [--json benchmarks/out/bench_model.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from radixkv.cache import KVPool, PoolConfig  # noqa: E402
+from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
+from radixkv.model import load_model, resolve_model  # noqa: E402
+
+PREFILL = 512
+BATCH, CONTEXT, STEPS = 16, 128, 32
+TARGETS = {"prefill_tok_s": 600, "decode_tok_s": 130}
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of ``repeat`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_radixkv(prompt, prompts, repeat):
+    model = load_model()
+    c = model.config
+    pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=4096))
+    table = pool.alloc(-(-PREFILL // 16))
+    prefill = timed(lambda: model.forward(ForwardBatch.build([SeqInput(prompt, 0, table)], 16), pool), repeat)
+
+    def decode():
+        tables = [pool.alloc(-(-(CONTEXT + STEPS) // 16)) for _ in prompts]
+        logits = model.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool)
+        tokens = logits.argmax(-1).tolist()
+        t0 = time.perf_counter()
+        for step in range(STEPS):
+            seqs = [SeqInput([tok], CONTEXT + step, t) for tok, t in zip(tokens, tables)]
+            tokens = model.forward(ForwardBatch.build(seqs, 16), pool).argmax(-1).tolist()
+        elapsed = time.perf_counter() - t0
+        pool.decref(np.concatenate(tables))
+        return elapsed
+
+    decode()
+    step_time = statistics.median(decode() for _ in range(repeat))
+    return prefill, step_time
+
+
+def bench_transformers(prompt, prompts, repeat):
+    import transformers
+
+    src = resolve_model()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src.path.parent, gguf_file=src.path.name, dtype=torch.float32
+    ).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        prefill = timed(lambda: model(ids, logits_to_keep=1), repeat)
+
+        def decode():
+            out = model(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+            cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                out = model(tokens, past_key_values=cache, use_cache=True)
+                cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            return time.perf_counter() - t0
+
+        decode()
+        step_time = statistics.median(decode() for _ in range(repeat))
+    return prefill, step_time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default="benchmarks/out/bench_model.json")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 49152, PREFILL).tolist()
+    prompts = rng.integers(0, 49152, (BATCH, CONTEXT)).tolist()
+
+    rows = {}
+    for name, fn in (("radixkv", bench_radixkv), ("transformers", bench_transformers)):
+        prefill, decode = fn(prompt, prompts, args.repeat)
+        rows[name] = {"prefill_tok_s": PREFILL / prefill, "decode_tok_s": BATCH * STEPS / decode}
+
+    print(f"SmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), median of {args.repeat}")
+    print(f"{'system':<14}{'prefill 512 tok/s':>19}{'decode b16 tok/s':>18}")
+    for name, r in rows.items():
+        print(f"{name:<14}{r['prefill_tok_s']:>19.0f}{r['decode_tok_s']:>18.1f}")
+    print(f"{'target':<14}{TARGETS['prefill_tok_s']:>19}{TARGETS['decode_tok_s']:>18}")
+    ours, theirs = rows["radixkv"], rows["transformers"]
+    print(f"{'ratio':<14}{ours['prefill_tok_s'] / theirs['prefill_tok_s']:>18.2f}x"
+          f"{ours['decode_tok_s'] / theirs['decode_tok_s']:>17.2f}x")  # fmt: skip
+
+    meta = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "prefill_tokens": PREFILL,
+        "decode": {"batch": BATCH, "context": CONTEXT, "steps": STEPS},
+        "targets": TARGETS,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
