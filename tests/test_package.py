@@ -22,3 +22,11 @@ def test_kernels_and_frontend_install_under_the_radixkv_namespace(tmp_path):
 def test_console_script_runs():
     out = subprocess.run([Path(sys.executable).parent / "radixkv", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "demo" in out.stdout and "sim" in out.stdout
+
+
+def test_paged_generate_example_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "paged_generate.py")], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) >= 3  # some words of an answer
