@@ -14,13 +14,10 @@ the CPU, in the same process, one after the other:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.model import load_model, resolve_model  # noqa: E402
@@ -121,20 +119,10 @@ def main() -> None:
     print(f"{'ratio':<14}{ours['prefill_tok_s'] / theirs['prefill_tok_s']:>18.2f}x"
           f"{ours['decode_tok_s'] / theirs['decode_tok_s']:>17.2f}x")  # fmt: skip
 
-    meta = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "prefill_tokens": PREFILL,
-        "decode": {"batch": BATCH, "context": CONTEXT, "steps": STEPS},
-        "targets": TARGETS,
-    }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
-
+    write_result(
+        args.json, rows, torch=torch.__version__, threads=torch.get_num_threads(), prefill_tokens=PREFILL,
+        decode={"batch": BATCH, "context": CONTEXT, "steps": STEPS}, targets=TARGETS,
+    )  # fmt: skip
 
 if __name__ == "__main__":
     main()

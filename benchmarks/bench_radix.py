@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.peers import sglang_tree  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 from radixkv.cache import PageAllocator, RadixCache  # noqa: E402
 from radixkv.cache import sim, traces  # noqa: E402
 
@@ -153,17 +151,7 @@ def main() -> None:
     if peer_missing:
         print(f"\nsglang: not measured ({peer_missing})")
 
-    meta = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}",
-        "capacity_fraction": args.fraction,
-        "sglang": peer_missing or "measured",
-    }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"\nwrote {out}")
-
+    write_result(args.json, rows, capacity_fraction=args.fraction, sglang=peer_missing or "measured")
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,6 @@ The Engine (continuous batching, the prefix cache in the loop, sampling) builds 
 these pieces. Run: .venv/bin/python examples/paged_generate.py
 """
 
-import numpy as np
 from radixkv.cache import KVPool, PoolConfig
 from radixkv.engine.batch import ForwardBatch, SeqInput
 from radixkv.model import load_model, resolve_model

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table with its peer measured in the same run and writes JSON."""
