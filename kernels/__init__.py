@@ -26,7 +26,37 @@ def _torch() -> AttentionBackend:
     return TorchBackend()
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch}
+def _triton() -> AttentionBackend:
+    from radixkv.kernels.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+def _flashinfer() -> AttentionBackend:
+    from radixkv.kernels.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend()
+
+
+def _auto() -> AttentionBackend:
+    """FlashInfer when it imports and CUDA is there, else Triton on CUDA, else torch."""
+    import torch
+
+    if torch.cuda.is_available():
+        for factory in (_flashinfer, _triton):
+            try:
+                return factory()
+            except ImportError:
+                continue
+    return _torch()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": _torch,
+    "triton": _triton,
+    "flashinfer": _flashinfer,
+    "auto": _auto,
+}
 
 
 def get_backend(name: str = "torch") -> AttentionBackend:

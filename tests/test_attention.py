@@ -63,14 +63,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+def available(name):
+    if name == "triton":
+        pytest.importorskip("triton")
+    return name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("lens, prefixes", CASES)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 3e-3)])
 def test_backend_matches_dense_reference(backend, lens, prefixes, page_size, hq, hkv, dtype, tol):
     batch, q, k, v, k_cache, v_cache, dense_k, dense_v = random_case(7, lens, prefixes, page_size, hq, hkv, dtype)
-    impl = get_backend(backend)
+    impl = get_backend(available(backend))
     impl.plan(batch)
     out = impl.forward(q, k, v, k_cache, v_cache, scale=0.25)
     assert out.shape == q.shape and out.dtype == dtype
@@ -84,10 +90,11 @@ def test_backend_matches_dense_reference(backend, lens, prefixes, page_size, hq,
     assert torch.equal(v_cache.view(-1, hkv, 16)[batch.out_slots], v)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("lens, prefixes", [([1, 5, 37], [30, 3, 20]), ([1, 1, 1], [30, 3, 20])])
-def test_sliding_window_and_softcap(lens, prefixes):
+def test_sliding_window_and_softcap(backend, lens, prefixes):
     batch, q, k, v, k_cache, v_cache, dense_k, dense_v = random_case(3, lens, prefixes, 4, 6, 2, torch.float32)
-    impl = get_backend("torch")
+    impl = get_backend(available(backend))
     impl.plan(batch)
     for window, softcap in [(8, None), (None, 5.0), (8, 5.0)]:
         out = impl.forward(q, k, v, k_cache, v_cache, 0.25, sliding_window=window, logit_softcap=softcap)

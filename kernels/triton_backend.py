@@ -1,0 +1,293 @@
+"""Triton attention backend: paged decode (split-K) and extend kernels, and a K/V store.
+
+All kernels read K/V through the page table (``kv_indices``), for any page size, from
+fp16/bf16/fp32 caches, and accumulate in float32.
+
+- ``_store_kv``: one program per new token copies its K and V rows to its slot.
+- ``_decode_partial`` + ``_decode_reduce``: one new token per sequence. Each program
+  takes one sequence, one KV head (with all query heads of its GQA group as the rows of
+  a ``tl.dot``) and one slice of the context; slices are merged by their log-sum-exp in
+  the reduce kernel. Splitting the context keeps a small batch over long contexts busy.
+- ``_extend``: several new tokens per sequence. Each program takes a block of one
+  sequence's new tokens for one query head and streams its whole context (cached pages,
+  then the new tokens the store kernel just wrote) with causal masking.
+
+Compiled, each program loops only over the context it needs (its split, or up to the
+last position its rows may see). Under ``TRITON_INTERPRET=1`` a loop over any runtime
+value fails with recent NumPy, so there the trip count is a constant (the batch's
+longest context in blocks) and masks do the rest; both variants share one block body.
+Page ids are widened to int64 before slot arithmetic.
+
+``native_dot``: with a half-precision cache on a GPU, dot products take the cache dtype
+(tensor cores); otherwise (fp32 caches, the CPU interpreter, which computes bf16 wrongly)
+operands are upcast to fp32 and multiplied in IEEE fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from radixkv.kernels.base import AttentionBackend
+
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _store_kv(k_new, v_new, k_cache, v_cache, out_slots, row_elems, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(out_slots + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < row_elems
+    k = tl.load(k_new + t * row_elems + offs, mask=mask)
+    v = tl.load(v_new + t * row_elems + offs, mask=mask)
+    tl.store(k_cache + slot * row_elems + offs, k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + slot * row_elems + offs, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_block(
+    qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
+    scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):  # fmt: skip
+    """Fold context positions start..start+BLOCK_N into the online softmax of the query
+    rows at positions ``q_pos`` (causal: a row sees positions <= its own)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < seq_len
+    page = tl.load(kv_indices + page_start + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = (page * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    kvmask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_cache + offs, mask=kvmask, other=0.0)
+    v = tl.load(v_cache + offs, mask=kvmask, other=0.0)
+    if NATIVE_DOT:
+        s = tl.dot(qv, tl.trans(k)) * scale
+    else:
+        s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(allowed, s, _NEG_INF)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == _NEG_INF, 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if NATIVE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_partial(
+    q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
+    scale, softcap, window, chunk,
+    stride_qt, stride_qh, stride_cs, stride_ch,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens + b)
+    page_start = tl.load(kv_indptr + b).to(tl.int64)
+    hr = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + hr
+    hmask = hr < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    qv = tl.load(q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if not NATIVE_DOT:
+        qv = qv.to(tl.float32)
+    m_i = tl.full([BLOCK_H], _NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    lo = split * chunk
+    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
+    if DYNAMIC_LOOP:
+        for start in range(lo, tl.minimum(lo + chunk, seq_len), BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
+                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+            )  # fmt: skip
+    else:  # the interpreter: a constant trip count, masked
+        for i in range(NUM_BLOCKS):
+            m_i, l_i, acc = _attend_block(
+                qv, k_cache, v_cache, kv_indices, page_start, lo + i * BLOCK_N, seq_len, q_pos, m_i, l_i, acc,
+                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+            )  # fmt: skip
+    has = l_i > 0
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), _NEG_INF)
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    row = (b * num_q_heads + heads) * NUM_SPLITS + split
+    tl.store(mid_o + row[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+    tl.store(mid_lse + row, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_reduce(
+    mid_o, mid_lse, o, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    s = tl.arange(0, BLOCK_S)
+    smask = s < NUM_SPLITS
+    lse = tl.load(mid_lse + row * NUM_SPLITS + s, mask=smask, other=_NEG_INF)
+    m = tl.max(lse, 0)
+    w = tl.where(lse == _NEG_INF, 0.0, tl.exp(lse - m))
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    parts = tl.load(mid_o + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o + b * stride_ot + h * stride_oh + d, out.to(o.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _extend(
+    q, o, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, seq_lens,
+    scale, softcap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    qo_start = tl.load(qo_indptr + b)
+    qo_len = tl.load(qo_indptr + b + 1) - qo_start
+    seq_len = tl.load(seq_lens + b)
+    page_start = tl.load(kv_indptr + b).to(tl.int64)
+    kvh = h // GROUP
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < qo_len
+    q_pos = seq_len - qo_len + rows
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    tok = (qo_start + rows).to(tl.int64)
+    qv = tl.load(q + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if not NATIVE_DOT:
+        qv = qv.to(tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if DYNAMIC_LOOP:  # up to the last position this block of rows may see
+        for start in range(0, tl.minimum(seq_len, seq_len - qo_len + (mb + 1) * BLOCK_M), BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
+                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+            )  # fmt: skip
+    else:  # the interpreter: a constant trip count, masked
+        for i in range(NUM_BLOCKS):
+            m_i, l_i, acc = _attend_block(
+                qv, k_cache, v_cache, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos, m_i, l_i, acc,
+                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+            )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention in Triton. ``plan`` builds the per-batch scalars and tensors once;
+    each ``forward`` launches the store kernel and either decode or extend kernels."""
+
+    name = "triton"
+    BLOCK_N = 16
+    BLOCK_M = 16
+    MAX_SPLITS = 16
+    TOKENS_PER_SPLIT = 256  # aim: each decode program streams at least this much context
+
+    def __init__(self):
+        self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if self.interpret:  # the interpreter pays per program and per loop step, not per element
+            self.BLOCK_M = self.BLOCK_N = 64
+
+    def plan(self, batch) -> None:
+        self.batch = batch
+        self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=batch.kv_indices.device)
+        self.max_seq_len = max(batch.seq_lens)
+        self.max_qo_len = max(batch.qo_lens)
+        self.decode = self.max_qo_len == 1
+        splits = 1
+        while splits < self.MAX_SPLITS and splits * self.TOKENS_PER_SPLIT < self.max_seq_len:
+            splits *= 2
+        self.num_splits = splits
+        per_split = -(-self.max_seq_len // splits)
+        self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N
+
+    def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, logit_softcap=None):
+        batch = self.batch
+        num_tokens, hq, dim = q.shape
+        hkv = k_cache.shape[2]
+        group = hq // hkv
+        k = k.contiguous()
+        v = v.contiguous()
+        q = q.contiguous()
+        row_elems = hkv * dim
+        _store_kv[(num_tokens,)](k, v, k_cache, v_cache, batch.out_slots, row_elems, BLOCK=triton.next_power_of_2(row_elems))
+        native = not self.interpret and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
+        flags = dict(
+            USE_SOFTCAP=logit_softcap is not None, USE_WINDOW=sliding_window is not None, NATIVE_DOT=native,
+            GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=dim, BLOCK_D=_pow2(dim),
+            DYNAMIC_LOOP=not self.interpret,
+        )  # fmt: skip
+        softcap = float(logit_softcap or 1.0)
+        window = int(sliding_window or 0)
+        stride_cs, stride_ch = k_cache.stride(1), k_cache.stride(2)  # per slot, per head
+        out = torch.empty_like(q)
+        if self.decode:
+            b = q.shape[0]
+            mid_o = torch.empty(b * hq * self.num_splits, dim, dtype=torch.float32, device=q.device)
+            mid_lse = torch.empty(b * hq * self.num_splits, dtype=torch.float32, device=q.device)
+            _decode_partial[(b, hkv, self.num_splits)](
+                q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, self.seq_lens, mid_o, mid_lse,
+                scale, softcap, window, self.chunk, q.stride(0), q.stride(1), stride_cs, stride_ch,
+                BLOCK_H=_pow2(group), BLOCK_N=self.BLOCK_N, NUM_SPLITS=self.num_splits,
+                NUM_BLOCKS=self._static_blocks(self.chunk), **flags,
+            )  # fmt: skip
+            _decode_reduce[(b, hq)](
+                mid_o, mid_lse, out, out.stride(0), out.stride(1),
+                HEAD_DIM=dim, BLOCK_D=_pow2(dim), NUM_SPLITS=self.num_splits, BLOCK_S=_pow2(self.num_splits, 2),
+            )  # fmt: skip
+        else:
+            grid = (len(batch.qo_lens), hq, triton.cdiv(self.max_qo_len, self.BLOCK_M))
+            _extend[grid](
+                q, out, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens,
+                scale, softcap, window,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch,
+                BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, NUM_BLOCKS=self._static_blocks(self.max_seq_len), **flags,
+            )  # fmt: skip
+        return out
+
+    def _static_blocks(self, tokens: int) -> int:
+        """Trip count for the interpreter's constant loops (1 when compiled: unused)."""
+        return triton.cdiv(tokens, self.BLOCK_N) if self.interpret else 1
