@@ -135,3 +135,22 @@ def test_half_precision_runs_close_to_float32(model, hf_tok):
     high = model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 4), new_pool(model))[0]
     assert torch.isfinite(low).all()
     assert torch.nn.functional.cosine_similarity(low, high, dim=0) > 0.99
+
+
+def test_triton_backend_runs_the_real_model_like_torch(model, hf_tok):
+    pytest.importorskip("triton")
+    from radixkv.kernels import get_backend
+
+    ids = hf_tok("The three primary colors are").input_ids
+    results = {}
+    for name in ("torch", "triton"):
+        backend = get_backend(name)
+        pool = new_pool(model)
+        table = pool.alloc(-(-(len(ids) + 2) // 4))
+        first = model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 4), pool, backend)
+        token = int(first.argmax(-1))
+        second = model.forward(ForwardBatch.build([SeqInput([token], len(ids), table)], 4), pool, backend)
+        results[name] = (first, second)
+    for a, b in zip(results["torch"], results["triton"]):
+        assert (a - b).abs().max() < 1e-4
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
