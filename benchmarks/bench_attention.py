@@ -1,0 +1,194 @@
+"""Attention backend benchmark (GPU): long-context decode and extend over the paged pool.
+
+Every registered backend among torch, triton and flashinfer runs the same two
+problems, bf16, 32 query heads on 8 KV heads of 128, pages of 16 tokens, pages
+scattered over the pool:
+
+- decode: 32 sequences of 8192 tokens (8191 cached + 1 new). Attention here only streams
+  K and V, so the figure of merit is achieved KV bandwidth (bytes of K and V read per
+  second) as a share of the device-to-device copy bandwidth measured in the same run
+  (``dst.copy_(src)`` of a 1 GiB buffer, read + write bytes counted).
+- extend: 8 sequences with 512 new tokens each on 4096 cached; time per batch and its
+  ratio to flashinfer's.
+
+Each backend is planned once per problem, then ``forward`` runs one layer over and over
+(the store of the new K/V into the pool is part of it); CUDA events, 3 warm-up calls,
+median of ``--repeat``. Backends that are not registered, or whose factory or first call
+raises, are listed as skipped with the reason.
+
+    .venv/bin/python benchmarks/bench_attention.py [--json benchmarks/out/bench_attention.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import write_result  # noqa: E402
+from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
+from radixkv.kernels import get_backend  # noqa: E402
+
+BACKENDS = ("torch", "triton", "flashinfer")
+HQ, HKV, DIM, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+DECODE = {"batch": 32, "cached": 8191, "new": 1}
+EXTEND = {"batch": 8, "cached": 4096, "new": 512}
+COPY_BYTES = 1 << 30
+WARMUP = 3
+
+
+def cuda_ms(fn, repeat: int) -> float:
+    """Median milliseconds of ``repeat`` calls of ``fn`` after ``WARMUP`` calls, by CUDA events."""
+    for _ in range(WARMUP):
+        fn()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def copy_bandwidth(repeat: int) -> float:
+    """Device-to-device copy bandwidth in GB/s, read and write bytes both counted."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src), repeat)
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+class Problem:
+    """One batch of ``batch`` sequences, each ``new`` tokens on ``cached`` tokens already in
+    the pool; page ids shuffled so no sequence's pages are contiguous."""
+
+    def __init__(self, batch: int, cached: int, new: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        per_seq = -(-(cached + new) // PAGE)
+        num_pages = batch * per_seq
+        order = torch.randperm(num_pages, generator=g).numpy().astype(np.int32)
+        seqs = [SeqInput([0] * new, cached, order[i * per_seq : (i + 1) * per_seq]) for i in range(batch)]
+        self.batch = ForwardBatch.build(seqs, PAGE, device="cuda")
+        self.k_cache = torch.randn(num_pages, PAGE, HKV, DIM, dtype=DTYPE, device="cuda")
+        self.v_cache = torch.randn_like(self.k_cache)
+        t = self.batch.num_tokens
+        self.q = torch.randn(t, HQ, DIM, dtype=DTYPE, device="cuda")
+        self.k = torch.randn(t, HKV, DIM, dtype=DTYPE, device="cuda")
+        self.v = torch.randn(t, HKV, DIM, dtype=DTYPE, device="cuda")
+        self.kv_bytes = 2 * sum(self.batch.seq_lens) * HKV * DIM * self.k_cache.element_size()
+        # multiply-adds of QK^T and PV over the causal pattern, 2 flops each
+        pairs = sum(sum(range(s - n + 1, s + 1)) for n, s in zip(self.batch.qo_lens, self.batch.seq_lens))
+        self.flops = 4 * HQ * DIM * pairs
+
+
+def run(name: str, p: Problem, repeat: int):
+    """``(ms, output)`` for one backend on ``p``, or ``(None, reason)`` when it cannot run."""
+    try:
+        impl = get_backend(name)
+    except ValueError:
+        return None, "not registered"
+    except Exception as e:  # an optional dependency missing, no GPU support, ...
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    scale = DIM**-0.5
+    try:
+        impl.plan(p.batch)  # once: forward below is one layer, repeated
+        fn = lambda: impl.forward(p.q, p.k, p.v, p.k_cache, p.v_cache, scale)  # noqa: E731
+        out = fn()
+        ms = cuda_ms(fn, repeat)
+    except Exception as e:
+        torch.cuda.empty_cache()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    torch.cuda.empty_cache()
+    return ms, out
+
+
+def max_diff(out, ref) -> float | None:
+    return None if ref is None else float((out.float() - ref.float()).abs().max())
+
+
+def fmt(x, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default="benchmarks/out/bench_attention.json")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated names")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False here); nothing measured.")
+        return 0
+    names = [n for n in args.backends.split(",") if n]
+    try:
+        fi_version = metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        fi_version = None
+    device = torch.cuda.get_device_name()
+    copy_gb_s = copy_bandwidth(args.repeat)
+    torch.cuda.empty_cache()  # the copy buffers are gone once it returns
+
+    print(f"{device}, torch {torch.__version__}, flashinfer {fi_version or 'not installed'}")
+    print(f"bf16, heads {HQ}/{HKV}, head_dim {DIM}, page {PAGE}; CUDA events, median of {args.repeat}")
+    print(f"device-to-device copy: {copy_gb_s:,.0f} GB/s (read + write)")
+    rows = []
+
+    # decode ------------------------------------------------------------------------------
+    p = Problem(**DECODE)
+    results = {n: run(n, p, args.repeat) for n in names}
+    ref = results.get("torch", (None, None))
+    ref = ref[1] if ref[0] is not None else None
+    ctx = DECODE["cached"] + DECODE["new"]
+    print(f"\ndecode: {DECODE['batch']} seqs x {ctx} tokens, {p.kv_bytes / 1e9:.2f} GB of K+V")
+    print(f"{'backend':<12}{'ms':>9}{'KV GB/s':>10}{'of copy BW':>12}{'max|d| vs torch':>17}")
+    for n, (ms, out) in results.items():
+        if ms is None:
+            print(f"{n:<12}  skipped: {out}")
+            rows.append({"case": "decode", "backend": n, "skipped": out})
+            continue
+        gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
+        d = max_diff(out, ref)
+        print(f"{n:<12}{ms:>9.3f}{gb_s:>10,.0f}{gb_s / copy_gb_s:>11.0%} {fmt(d, '.2e', 16)}")
+        rows.append({"case": "decode", "backend": n, "ms": ms, "kv_gb_s": gb_s,
+                     "fraction_of_copy_bw": gb_s / copy_gb_s, "max_abs_diff_vs_torch": d})  # fmt: skip
+    del p, results, ref
+    torch.cuda.empty_cache()
+
+    # extend ------------------------------------------------------------------------------
+    p = Problem(**EXTEND)
+    results = {n: run(n, p, args.repeat) for n in names}
+    ref = results.get("torch", (None, None))
+    ref = ref[1] if ref[0] is not None else None
+    fi_ms = results.get("flashinfer", (None, None))[0]
+    print(f"\nextend: {EXTEND['batch']} seqs x {EXTEND['new']} new tokens on {EXTEND['cached']} cached")
+    print(f"{'backend':<12}{'ms':>9}{'TFLOP/s':>10}{'x flashinfer':>14}{'max|d| vs torch':>17}")
+    for n, (ms, out) in results.items():
+        if ms is None:
+            print(f"{n:<12}  skipped: {out}")
+            rows.append({"case": "extend", "backend": n, "skipped": out})
+            continue
+        tflops = p.flops / (ms * 1e-3) / 1e12
+        ratio = ms / fi_ms if fi_ms else None
+        d = max_diff(out, ref)
+        ratio_s = "-" if ratio is None else f"{ratio:.2f}x"
+        print(f"{n:<12}{ms:>9.3f}{tflops:>10.1f}{ratio_s:>14} {fmt(d, '.2e', 16)}")
+        rows.append({"case": "extend", "backend": n, "ms": ms, "tflop_s": tflops,
+                     "time_vs_flashinfer": ratio, "max_abs_diff_vs_torch": d})  # fmt: skip
+
+    write_result(
+        args.json, rows, device=device, torch=torch.__version__, flashinfer=fi_version, copy_gb_s=copy_gb_s,
+        dtype="bfloat16", heads={"q": HQ, "kv": HKV}, head_dim=DIM, page_size=PAGE, decode=DECODE, extend=EXTEND,
+        repeat=args.repeat, warmup=WARMUP,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
