@@ -349,3 +349,12 @@ def test_merged_edge_keeps_the_latest_access_of_its_parts():
     assert t.stats().num_nodes == 2
     assert t.evict(2) == 2
     assert t.match_prefix([1, 2, 3, 4]).num_tokens == 4 and t.match_prefix([9, 9]).num_tokens == 0
+
+
+def test_bookkeeping_matches_leave_the_counters_alone():
+    a, t = make()
+    put(t, [1, 2, 3])
+    before = t.stats()
+    m = t.match_prefix([1, 2, 3, 4], record_stats=False)
+    assert m.num_tokens == 3
+    assert t.stats() == before

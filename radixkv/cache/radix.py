@@ -206,18 +206,18 @@ class RadixCache:
 
     # -- the four operations ---------------------------------------------------
 
-    def match_prefix(self, tokens, namespace=None) -> Match:
+    def match_prefix(self, tokens, namespace=None, record_stats: bool = True) -> Match:
         """Find the longest cached prefix of ``tokens`` made of whole pages.
 
         Mutates: may split a node so that the match ends exactly at a node, stamps that
-        node's access time and hit count, and adds to ``queried_tokens`` and
+        node's access time and hit count, and (unless ``record_stats`` is False, for
+        bookkeeping lookups that are not requests) adds to ``queried_tokens`` and
         ``hit_tokens``. Nothing is locked or referenced: ``lock(match.node)`` before
         any other call that may evict. Raises ValueError for empty or invalid tokens.
         """
         key = tokens.tobytes() if type(tokens) is array and tokens.typecode == "i" else token_key(tokens)
         if not key:
             raise ValueError("tokens must not be empty")
-        self.queried_tokens += len(key) // _TOKEN
         node = self._roots.get(namespace) or self.root(namespace)
         width = self._width
         end = len(key) - len(key) % width
@@ -240,8 +240,10 @@ class RadixCache:
             break
         self._tick += 1
         node.last_access = self._tick
-        node.hits += 1
-        self.hit_tokens += pos // _TOKEN
+        if record_stats:
+            node.hits += 1
+            self.queried_tokens += len(key) // _TOKEN
+            self.hit_tokens += pos // _TOKEN
         if len(parts) > 1:
             pages = np.concatenate(parts)
         else:

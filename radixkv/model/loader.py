@@ -8,6 +8,7 @@ HF's half-split order here, so both sources yield the same state dict.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -140,8 +141,14 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> LlamaModel:
     """Resolve ``model`` (a registered name, a .gguf file or an HF directory) and build
-    it in ``dtype`` on ``device``."""
-    dtype = as_dtype(dtype)
-    config, sd = load_state_dict(resolve_model(model))
+    it in ``dtype`` on ``device``. Weights are read-only during inference, so loads of
+    the same file, dtype and device share one model."""
+    source = resolve_model(model)
+    return _load(source, as_dtype(dtype), str(device), source.path.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _load(source: ModelSource, dtype: torch.dtype, device: str, _mtime: int) -> LlamaModel:
+    config, sd = load_state_dict(source)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     return LlamaModel.from_state_dict(config, sd)

@@ -1,0 +1,479 @@
+"""The Engine: model, pool, prefix cache and scheduler behind a small API.
+
+The engine loop runs in its own thread; it alone touches the pool, the tree and the
+model. Callers talk to it through a command queue and get results through sinks, so
+``generate`` (blocking), ``generate_async`` / ``stream`` (asyncio) and ``abort`` never
+block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import torch
+
+from radixkv.cache.pool import KVPool, PoolConfig
+from radixkv.cache.radix import RadixCache
+from radixkv.engine.request import CompletionOutput, Request, RequestOutput, StreamChunk, new_rid
+from radixkv.engine.sampling import Sampler, SamplerState, SamplingParams, prompt_logprobs
+from radixkv.engine.scheduler import Scheduler
+from radixkv.kernels import get_backend
+from radixkv.model.chat_template import ChatTemplate
+from radixkv.model.loader import as_dtype, load_model
+from radixkv.model.registry import DEFAULT_MODEL, resolve_model
+from radixkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("radixkv.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; the CLI's defaults come from here.
+
+    KV capacity: ``kv_cache_tokens`` (tokens) or ``memory_bytes`` (bytes), at most one;
+    neither means 1 GiB.
+    """
+
+    model: str = DEFAULT_MODEL
+    page_size: int = 16
+    kv_cache_tokens: int | None = None
+    memory_bytes: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    policy: str = "lru"
+    enable_prefix_cache: bool = True
+    chunked_prefill_size: int | None = 512
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    debug: bool = False  # check pool/tree integrity whenever the engine goes idle
+
+    def __post_init__(self):
+        for name in ("page_size", "max_batch_tokens", "max_running"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if self.kv_cache_tokens is not None and self.memory_bytes is not None:
+            raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
+        as_dtype(self.dtype)
+
+
+class _Sink:
+    """Collects a request's ``n`` completions; wakes a thread, resolves a future or
+    feeds a stream. Called from the engine thread only."""
+
+    def __init__(self, rid: str, n: int, loop: asyncio.AbstractEventLoop | None = None, stream: bool = False):
+        self.rid = rid
+        self.children: list[Request | None] = [None] * n
+        self.loop = loop
+        self.done = threading.Event()
+        self.future = loop.create_future() if loop is not None and not stream else None
+        self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
+        self.result: RequestOutput | None = None
+        self._left = n
+
+    def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> None:
+        if self.queue is not None and (text or token_ids or finish_reason):
+            self._post(self.queue.put_nowait, StreamChunk(self.rid, index, text, token_ids, finish_reason))
+
+    def _post(self, fn, *args) -> None:
+        """Hand ``fn(*args)`` to the caller's event loop; a caller that has gone away
+        (its loop closed) simply gets nothing more."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    def finished(self, index: int, req: Request) -> None:
+        self.children[index] = req
+        self._left -= 1
+        if self._left:
+            return
+        self.result = _output(self.rid, self.children)
+        if self.future is not None:
+            self._post(_resolve, self.future, self.result)
+        if self.queue is not None:
+            self._post(self.queue.put_nowait, None)
+        self.done.set()
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _output(rid: str, children: list[Request]) -> RequestOutput:
+    first = children[0]
+    outs = [
+        CompletionOutput(
+            c.text, list(c.output_ids), c.finish_reason,
+            c.logprobs if c.params.logprobs else None,
+            c.top_logprobs if c.params.top_logprobs else None,
+        )  # fmt: skip
+        for c in children
+    ]
+    return RequestOutput(
+        rid, len(first.prompt_ids), first.cached_tokens or 0, outs,
+        first.prompt_logprobs if first.params.prompt_logprobs_from is not None else None,
+        first.error,
+    )  # fmt: skip
+
+
+class Engine:
+    """``Engine(model="smollm2-135m-instruct", page_size=16, ...)``; see EngineConfig.
+
+    Use as a context manager, or call ``close()``, to stop the engine thread.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **settings):
+        self.config = cfg = EngineConfig(model=model, **settings)
+        source = resolve_model(cfg.model)
+        self.model = load_model(source.path, cfg.dtype, cfg.device)
+        self.tokenizer = Tokenizer.load(source)
+        self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if self.tokenizer.chat_template else None
+        mc = self.model.config
+        pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                        page_size=cfg.page_size, dtype=as_dtype(cfg.dtype), device=cfg.device)  # fmt: skip
+        if cfg.kv_cache_tokens is not None:
+            pool_cfg["num_pages"] = -(-cfg.kv_cache_tokens // cfg.page_size)
+        else:
+            pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
+        self.pool = KVPool(PoolConfig(**pool_cfg))
+        self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
+        self.backend = get_backend(cfg.attention_backend)
+        self.max_context = mc.max_position_embeddings
+        self.scheduler = Scheduler(self.pool, self.tree, cfg.max_batch_tokens, cfg.max_running,
+                                   cfg.chunked_prefill_size, self.max_context)  # fmt: skip
+        self.sampler = Sampler()
+        self.steps = 0
+        self.generated_tokens = 0
+        self._commands: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="radixkv-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API --------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 namespace: str | None = None) -> RequestOutput | list[RequestOutput]:  # fmt: skip
+        """Generate for one prompt (text or token ids) or a list of them; returns one
+        output or a list, in order. Blocks the caller, not the engine."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"params has {len(plist)} entries for {len(batch)} prompts")
+        sinks = [self._submit(p, sp, namespace) for p, sp in zip(batch, plist)]
+        for sink in sinks:
+            sink.done.wait()
+        outs = [sink.result for sink in sinks]
+        return outs[0] if single else outs
+
+    async def generate_async(self, prompt, params: SamplingParams | None = None,
+                             namespace: str | None = None) -> RequestOutput:  # fmt: skip
+        sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop())
+        return await sink.future
+
+    async def stream(self, prompt, params: SamplingParams | None = None,
+                     namespace: str | None = None) -> AsyncIterator[StreamChunk]:  # fmt: skip
+        """Text deltas and token ids as they are generated; never splits a character
+        or emits text a stop string will cut."""
+        sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), stream=True)
+        try:
+            while (item := await sink.queue.get()) is not None:
+                yield item
+        finally:
+            if not sink.done.is_set():
+                self.abort(sink.rid)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, namespace: str | None = None,
+             **template_args) -> RequestOutput:  # fmt: skip
+        """Render ``messages`` with the model's chat template and generate."""
+        return self.generate(self.render_chat(messages, **template_args), params, namespace)
+
+    def render_chat(self, messages: list[dict], **template_args) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        return self.chat_template.render(messages, add_generation_prompt=True, **template_args)
+
+    def abort(self, rid: str) -> None:
+        """Stop a request (all its ``n`` completions) now; it finishes with "abort"."""
+        self._commands.put(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache. Only when no request is queued or running: returns
+        False (and does nothing) otherwise."""
+        return self._call(self._flush)
+
+    def stats(self) -> dict:
+        return self._call(self._stats)
+
+    def check_integrity(self) -> None:
+        """Pool and tree invariants, with every running request's references counted.
+        Raises IntegrityError."""
+        self._call(self._check)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._commands.put(("close",))
+            self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- submission --------------------------------------------------------------
+
+    def _submit(self, prompt, params, namespace, loop=None, stream=False) -> _Sink:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        rid = new_rid()
+        sink = _Sink(rid, params.n, loop, stream)
+        reqs = []
+        for i in range(params.n):
+            req = Request(
+                rid=rid if params.n == 1 else f"{rid}-{i}",
+                prompt_ids=ids,
+                params=params,
+                sampler=SamplerState(params, ids, seed_offset=i),
+                detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                namespace=namespace,
+                sink=(sink, i),
+            )
+            reqs.append(req)
+        self._commands.put(("add", reqs))
+        return sink
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError("a prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
+        capacity = self.pool.num_pages * self.pool.page_size
+        if len(ids) >= capacity:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {capacity} (raise kv_cache_tokens)")
+        return ids
+
+    # -- engine thread -----------------------------------------------------------
+
+    def _call(self, fn):
+        """Run ``fn`` on the engine thread and return its result."""
+        if self._closed:
+            return fn()
+        box: dict = {}
+        done = threading.Event()
+        self._commands.put(("call", fn, box, done))
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                raise RuntimeError("the engine thread has stopped")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _loop(self) -> None:
+        while True:
+            idle = not self.scheduler.has_work()
+            try:
+                command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+            if command is not None:
+                if command[0] == "close":
+                    self._abort_all()
+                    return
+                self._run_command(command)
+                continue  # drain all commands before the next step
+            if self.scheduler.has_work():
+                try:
+                    self._step()
+                except Exception as e:  # a bug must not take the engine down: fail what is running
+                    self._fail_all(f"{type(e).__name__}: {e}")
+            elif self.config.debug:
+                self._check()
+
+    def _run_command(self, command) -> None:
+        kind = command[0]
+        if kind == "add":
+            for req in command[1]:
+                self.scheduler.add(req)
+        elif kind == "abort":
+            for req in [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.sink[0].rid == command[1]]:
+                self.scheduler.abort(req)
+                self._finish(req, flush=True)
+        elif kind == "call":
+            _, fn, box, done = command
+            try:
+                box["value"] = fn()
+            except Exception as e:  # delivered to the caller's thread
+                box["error"] = e
+            done.set()
+
+    def _abort_all(self) -> None:
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.abort(req)
+            self._finish(req, flush=True)
+
+    def _fail_all(self, error: str) -> None:
+        logger.exception("engine step failed; failing %d requests", len(self.scheduler.running))
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.abort(req)
+            req.finish_reason, req.error = "error", error
+            self._finish(req, flush=True)
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        plan = sched.schedule()
+        for req in sched.stopped:
+            self._finish(req, flush=True)
+        sched.stopped.clear()
+        if not plan:
+            if not sched.running and sched.waiting:  # nothing fits even in an empty pool
+                req = sched.waiting.popleft()
+                req.finish_reason, req.error = "error", "not enough KV cache for this request"
+                self._finish(req, flush=True)
+            return
+        batch = sched.build_batch(plan, self.config.device)
+        prompt_lp = [s for s in plan if s.req.params.prompt_logprobs_from is not None and s.start < len(s.req.prompt_ids)]
+        try:
+            logits = self.model.forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
+        except Exception as e:  # the model failed: fail this step's requests, keep serving
+            for s in plan:
+                sched.finish(s.req)
+                s.req.finish_reason, s.req.error = "error", f"{type(e).__name__}: {e}"
+                self._finish(s.req, flush=True)
+            return
+        sched.advance(plan)
+        self.steps += 1
+        if prompt_lp:
+            ends = batch.qo_indptr[1:].tolist()
+            for s, end in zip(plan, ends):
+                if s in prompt_lp:
+                    self._prompt_logprobs(s, logits[end - s.count : end])
+            logits = logits[torch.tensor(ends, device=logits.device) - 1]
+        sampling = [i for i, s in enumerate(plan) if s.samples]
+        if not sampling:
+            return
+        result = self.sampler.sample(logits[sampling], [plan[i].req.sampler for i in sampling])
+        for j, i in enumerate(sampling):
+            self._append(plan[i].req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])
+
+    def _prompt_logprobs(self, s, rows: torch.Tensor) -> None:
+        """Logprob of each prompt token from ``prompt_logprobs_from`` on; row t of the step
+        predicts token t + 1."""
+        req = s.req
+        first = max(req.params.prompt_logprobs_from, 1)
+        if not req.prompt_logprobs:
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
+        targets = [(t, t + 1) for t in range(s.start, s.start + s.count) if first <= t + 1 < len(req.prompt_ids)]
+        if targets:
+            idx = torch.tensor([t - s.start for t, _ in targets], device=rows.device)
+            ids = torch.tensor([req.prompt_ids[u] for _, u in targets], device=rows.device)
+            for (_, u), lp in zip(targets, prompt_logprobs(rows[idx], ids)):
+                req.prompt_logprobs[u] = lp
+
+    def _append(self, req: Request, token: int, logprob, top) -> None:
+        """Add a sampled token; decide whether the request stops; stream what is safe."""
+        params = req.params
+        req.tokens.append(token)
+        req.output_ids.append(token)
+        req.sampler.append(token)
+        self.generated_tokens += 1
+        if params.logprobs:
+            req.logprobs.append(logprob)
+        if params.top_logprobs:
+            req.top_logprobs.append(top)
+        reason = None
+        if (token in self.tokenizer.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        before = len(req.text)
+        req.text += req.detok.add(token)
+        cut = bool(params.stop) and _cut_at_stop(req, before)
+        if cut:
+            reason = "stop"
+        elif reason is None and (len(req.output_ids) >= params.max_new_tokens or len(req.tokens) >= self.max_context):
+            reason = "length"
+        if reason is not None:
+            req.finish_reason = reason
+            self.scheduler.finish(req)
+            self._finish(req, flush=not cut)
+        else:
+            self._emit(req, hold=max(map(len, params.stop), default=1) - 1)
+
+    def _emit(self, req: Request, hold: int) -> None:
+        sink, index = req.sink
+        end = max(req.emitted, len(req.text) - hold)
+        sink.chunk(index, req.text[req.emitted : end], req.output_ids[req.emitted_tokens :], None)
+        req.emitted = end
+        req.emitted_tokens = len(req.output_ids)
+
+    def _finish(self, req: Request, flush: bool) -> None:
+        if flush:
+            req.text += req.detok.flush()
+        sink, index = req.sink
+        sink.chunk(index, req.text[req.emitted :], req.output_ids[req.emitted_tokens :], req.finish_reason)
+        req.emitted, req.emitted_tokens = len(req.text), len(req.output_ids)
+        sink.finished(index, req)
+
+    def _flush(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        if self.tree is not None:
+            self.tree.evict(self.tree.cached_pages)
+        return True
+
+    def _stats(self) -> dict:
+        tree = self.tree.stats()._asdict() if self.tree is not None else None
+        if tree is not None:
+            tree["hit_rate"] = self.tree.stats().hit_rate
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "preemptions": self.scheduler.preemptions,
+            "pool": {"pages": self.pool.num_pages, "free": self.pool.num_free(), "page_size": self.pool.page_size},
+            "cache": tree,
+        }
+
+    def _check(self) -> None:
+        if self.tree is not None:
+            self.tree.check_integrity(external_refs=self.scheduler.owners())
+        else:
+            self.pool.check_integrity()
+
+
+def _cut_at_stop(req: Request, before: int) -> bool:
+    """Cut ``req.text`` at the first stop string that the new text completes."""
+    longest = max(map(len, req.params.stop))
+    start = max(0, before - longest + 1)
+    hits = [i for i in (req.text.find(s, start) for s in req.params.stop) if i >= 0]
+    if not hits:
+        return False
+    req.text = req.text[: min(hits)]
+    return True
+

@@ -1,0 +1,111 @@
+"""A request's state inside the engine, and what the engine hands back."""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixkv.engine.sampling import SamplerState, SamplingParams
+from radixkv.model.tokenizer import IncrementalDetokenizer
+
+_ids = itertools.count()
+
+
+def new_rid() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    ``tokens`` is the prompt followed by what has been generated so far. KV exists in
+    the pool for ``tokens[:num_computed]``, in the pages of ``pages`` (the request holds
+    one reference on each); the tree node ``node`` is locked while the request uses
+    cached pages.
+
+        tokens   |======= prompt =======|==== output ====|
+                 |== num_computed (KV in pages) ==|todo|
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: SamplerState
+    detok: IncrementalDetokenizer
+    namespace: str | None = None
+    priority: int = 0
+    tokens: array = field(default_factory=lambda: array("i"))
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    pages: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    node: object = None
+    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    emitted: int = 0  # characters of ``text`` already streamed
+    emitted_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    sink: object = None  # where the engine delivers events (see engine.py)
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = array("i", self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The result of one prompt: ``outputs`` holds ``n`` completions."""
+
+    rid: str
+    prompt_tokens: int
+    cached_tokens: int
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[float] | None = None
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """New text and token ids of one completion since the last chunk."""
+
+    rid: str
+    index: int  # which of the n completions
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None

@@ -1,0 +1,204 @@
+"""The Engine on the real SmolLM2 model: exact tokens, cache behaviour, lifecycle."""
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.sampling import SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+SYSTEM = "You are a concise assistant. Answer in one short sentence, without any preamble or lists."
+QUESTIONS = [
+    "What is the capital of France?", "Name a primary color.", "What is 7 times 8?", "Who wrote Hamlet?",
+    "What is the boiling point of water?", "Name a planet.", "What language is spoken in Brazil?",
+    "What is the largest ocean?", "What do bees make?",
+]  # fmt: skip
+
+
+def chats(engine):
+    return [engine.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in QUESTIONS]  # fmt: skip
+
+
+def make(**settings):
+    settings = {"attention_backend": "torch", "kv_cache_tokens": 16384, **settings}
+    return Engine(**settings)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with make() as e:
+        yield e
+        e.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Each prompt alone, prefix cache off: the tokens everything else must reproduce."""
+    with make(enable_prefix_cache=False) as cold:
+        return [cold.generate(p, GREEDY).token_ids for p in chats(cold)]
+
+
+def test_greedy_matches_transformers(engine):
+    transformers = pytest.importorskip("transformers")
+    from radixkv.model import resolve_model
+
+    src = resolve_model()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=torch.float32)
+    for prompt in chats(engine)[:3]:
+        ids = engine.tokenizer.encode(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, pad_token_id=2)
+        theirs = out[0, len(ids) :].tolist()
+        mine = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=20)).token_ids
+        assert mine == theirs
+
+
+def test_batched_and_cached_outputs_equal_each_alone(engine, reference):
+    outs = engine.generate(chats(engine), GREEDY)  # all nine in one continuous batch, cache on
+    assert [o.token_ids for o in outs] == reference
+    again = engine.generate(chats(engine), GREEDY)  # now served mostly from the cache
+    assert [o.token_ids for o in again] == reference
+    assert all(o.cached_tokens >= 32 for o in again)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("chunk", [16, 64, None])
+def test_chunked_prefill_gives_the_same_tokens(reference, chunk):
+    with make(chunked_prefill_size=chunk, max_batch_tokens=128 if chunk else 4096) as e:
+        assert [o.token_ids for o in e.generate(chats(e), GREEDY)] == reference
+        e.check_integrity()
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_tokens(reference):
+    with make(kv_cache_tokens=288, page_size=16, debug=True) as e:
+        outs = e.generate(chats(e), GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        assert e.stats()["preemptions"] > 0
+        e.check_integrity()
+
+
+def test_second_turn_reuses_the_whole_first_turn(engine):
+    first = engine.generate(chats(engine)[0] + " ", SamplingParams(temperature=0, max_new_tokens=12))
+    p1 = engine.tokenizer.encode(chats(engine)[0] + " ")
+    follow = engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+    second = engine.generate(p1 + first.token_ids + follow, SamplingParams(temperature=0, max_new_tokens=4))
+    computed = len(p1) + len(first.token_ids) - 1  # the last sampled token never had KV
+    assert second.cached_tokens == computed // 16 * 16
+    assert second.prompt_tokens == len(p1) + len(first.token_ids) + len(follow)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=16, ignore_eos=True)
+    alone = engine.generate(chats(engine)[1], params).token_ids
+    others = [SamplingParams(temperature=1.0, max_new_tokens=16)] * 4
+    mixed = engine.generate(chats(engine)[:5], others[:1] + [params] + others[1:])
+    assert mixed[1].token_ids == alone
+    other_seed = engine.generate(chats(engine)[1], SamplingParams(temperature=0.9, seed=99, max_new_tokens=16,
+                                                                  ignore_eos=True))  # fmt: skip
+    assert other_seed.token_ids != alone
+
+
+def test_parallel_samples_share_the_prompt(engine):
+    out = engine.generate("Tell me a fun fact about cats.", SamplingParams(n=3, temperature=1.0, seed=7,
+                                                                           max_new_tokens=8, ignore_eos=True))  # fmt: skip
+    assert len(out.outputs) == 3 and all(len(o.token_ids) == 8 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert out.completion_tokens == 24
+
+
+def test_stop_strings_cut_exactly_even_across_tokens(engine, reference):
+    full = engine.tokenizer.decode(reference[0], skip_special_tokens=True)
+    stop = full[5:9]  # a few characters from the middle, likely spanning tokens
+    out = engine.generate(chats(engine)[0], SamplingParams(temperature=0, max_new_tokens=20, stop=[stop]))
+    assert out.text == full[: full.index(stop)] and out.finish_reason == "stop"
+
+    async def streamed():
+        parts = []
+        async for chunk in engine.stream(chats(engine)[0], SamplingParams(temperature=0, max_new_tokens=20,
+                                                                          stop=[stop])):  # fmt: skip
+            parts.append(chunk.text)
+        return parts
+
+    parts = asyncio.run(streamed())
+    assert "".join(parts) == out.text and len(parts) > 1
+
+
+def test_stream_deltas_add_up_to_the_text(engine):
+    async def run():
+        params = SamplingParams(temperature=0, max_new_tokens=24)
+        chunks = [c async for c in engine.stream(chats(engine)[3], params)]
+        final = await engine.generate_async(chats(engine)[3], params)
+        return chunks, final
+
+    chunks, final = asyncio.run(run())
+    assert "".join(c.text for c in chunks) == final.text
+    assert sum((c.token_ids for c in chunks), []) == final.token_ids
+    assert chunks[-1].finish_reason == final.finish_reason
+
+
+def test_abort_mid_generation_frees_its_pages(engine):
+    async def run():
+        params = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
+        seen = 0
+        async for chunk in engine.stream("Count from one to a thousand:", params):
+            seen += len(chunk.token_ids)
+            if seen >= 5:
+                break  # leaving the stream aborts the request
+        return seen
+
+    assert asyncio.run(run()) >= 5
+    for _ in range(100):
+        if engine.stats()["running"] == 0:
+            break
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["pool"]["free"] == stats["pool"]["pages"] - stats["cache"]["cached_pages"]
+    engine.check_integrity()
+
+
+def test_logprobs_and_prompt_logprobs(engine):
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    out = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4, logprobs=True, top_logprobs=3,
+                                                 prompt_logprobs_from=1))  # fmt: skip
+    first = out.outputs[0]
+    assert len(first.logprobs) == 4 and all(lp <= 0 for lp in first.logprobs)
+    assert [t[0][0] for t in first.top_logprobs] == first.token_ids  # greedy picks the top token
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    with torch.no_grad():  # reference: the model's full-prompt logits
+        from radixkv.cache import KVPool, PoolConfig
+        from radixkv.engine.batch import ForwardBatch, SeqInput
+
+        m = engine.model
+        c = m.config
+        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=8))
+        logits = m.forward(ForwardBatch.build([SeqInput(prompt, 0, pool.alloc(1))], 16), pool, all_logits=True)
+        ref = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert max(abs(a - b) for a, b in zip(out.prompt_logprobs[1:], ref.tolist())) < 1e-4
+
+
+def test_bad_requests_get_clear_errors(engine):
+    with pytest.raises(ValueError, match="must not be empty"):
+        engine.generate("", GREEDY)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.generate([1, 2, 10**6], GREEDY)
+    with pytest.raises(ValueError, match="the model's context is 8192"):
+        engine.generate([1] * 9000, GREEDY)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.generate("hi", {"temperature": 0})
+    with pytest.raises(ValueError, match="max_running"):
+        Engine(max_running=0)
+    engine.check_integrity()
+
+
+def test_flush_cache_empties_the_tree_when_idle(engine):
+    engine.generate("Hello there", GREEDY)
+    assert engine.stats()["cache"]["cached_pages"] > 0
+    assert engine.flush_cache() is True
+    stats = engine.stats()
+    assert stats["cache"]["cached_pages"] == 0 and stats["pool"]["free"] == stats["pool"]["pages"]
