@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixkv", description="radixkv: radix-tree prefix-cache LLM runtime")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="simulate the built-in workloads and plot hit rate vs cache size")
+    demo = sub.add_parser("demo", help="a multi-turn chat on the embedded model, then hit rate vs cache size")
     demo.add_argument("--out-dir", default=d.out_dir, help=f"where plots and JSON go (default {d.out_dir})")
+    demo.add_argument("--no-model", action="store_true", help="skip the chat; only the cache simulation")
 
     sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")
     src = sim.add_mutually_exclusive_group(required=True)
@@ -127,6 +128,8 @@ def cmd_sim(args) -> int:
 def cmd_demo(args) -> int:
     from radixkv.cache import sim, traces
 
+    if not args.no_model:
+        demo_chat()
     d = SimConfig()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,6 +144,31 @@ def cmd_demo(args) -> int:
         sim.plot(result, out / f"demo_{name}.png", f"{name}, page size {d.page_size}")
     print(f"plots and JSON in {out}/")
     return 0
+
+
+DEMO_TURNS = [
+    "In one sentence, what is a radix tree?",
+    "Why does that help an LLM server reuse work between requests?",
+    "Give one everyday analogy for it.",
+]
+
+
+def demo_chat() -> None:
+    """Three chat turns on the embedded model: each turn's prompt repeats the whole
+    conversation, and the cache serves all of it but the new message."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.sampling import SamplingParams
+
+    print("radixkv demo: a 3-turn chat with SmolLM2-135M on this CPU (greedy, 48 new tokens a turn)\n")
+    params = SamplingParams(temperature=0, max_new_tokens=48)
+    messages = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."}]
+    with Engine(attention_backend="torch", kv_cache_tokens=8192) as engine:
+        for question in DEMO_TURNS:
+            messages.append({"role": "user", "content": question})
+            out = engine.chat(messages, params)
+            messages.append({"role": "assistant", "content": out.text})
+            print(f"user: {question}\nassistant: {out.text.strip()}")
+            print(f"  [prompt {out.prompt_tokens} tokens, {out.cached_tokens} served from the prefix cache]\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -209,3 +209,14 @@ def test_flush_cache_empties_the_tree_when_idle(engine):
     assert engine.flush_cache() is True
     stats = engine.stats()
     assert stats["cache"]["cached_pages"] == 0 and stats["pool"]["free"] == stats["pool"]["pages"]
+
+
+def test_demo_chat_serves_later_turns_from_the_cache(capsys):
+    import re
+
+    from radixkv.cli import demo_chat
+
+    demo_chat()
+    out = capsys.readouterr().out
+    cached = [int(m) for m in re.findall(r"(\d+) served from the prefix cache", out)]
+    assert len(cached) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]

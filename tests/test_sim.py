@@ -173,7 +173,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 
 
 def test_cli_demo_runs(tmp_path, capsys):
-    assert main(["demo", "--out-dir", str(tmp_path)]) == 0
+    assert main(["demo", "--no-model", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "multi_turn" in out and "few_shot" in out and "branching" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == [
