@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import transformers_decode_seconds, write_result  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.sampling import SamplingParams  # noqa: E402
 from radixkv.model import resolve_model  # noqa: E402
@@ -204,17 +204,9 @@ def load_transformers():
     ).eval()
 
 
-@torch.inference_mode()
 def transformers_decode(model, prompts: list[list[int]], steps: int) -> float:
-    """tok/s of transformers' batched greedy loop, timed as ``bench_model.py`` does:
-    prefill untimed, then ``steps`` one-token steps timed."""
-    out = model(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
-    cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = model(tokens, past_key_values=cache, use_cache=True)
-        cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    return len(prompts) * steps / (time.perf_counter() - t0)
+    """tok/s of transformers' batched greedy loop, timed as ``bench_model.py`` does."""
+    return len(prompts) * steps / transformers_decode_seconds(model, prompts, steps)
 
 
 # -- 2. multi-turn chat ----------------------------------------------------------------

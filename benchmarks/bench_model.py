@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import transformers_decode_seconds, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.model import load_model, resolve_model  # noqa: E402
@@ -82,13 +82,7 @@ def bench_transformers(prompt, prompts, repeat):
         prefill = timed(lambda: model(ids, logits_to_keep=1), repeat)
 
         def decode():
-            out = model(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
-            cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                out = model(tokens, past_key_values=cache, use_cache=True)
-                cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            return time.perf_counter() - t0
+            return transformers_decode_seconds(model, prompts, STEPS)
 
         decode()
         step_time = statistics.median(decode() for _ in range(repeat))
