@@ -110,7 +110,8 @@ def _load() -> _SGLang:
             package_dir / "__init__.py",
             submodule_search_locations=[str(package_dir)],
         )
-        assert spec is not None
+        if spec is None:
+            raise ImportError(f"cannot load the sglang package from {package_dir}")
         sys.modules["sglang"] = importlib.util.module_from_spec(spec)
 
     stubbed = [name for name in _STUBBED_MODULES if name not in sys.modules]
