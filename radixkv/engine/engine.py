@@ -152,7 +152,7 @@ class Engine:
         self.backend = get_backend(cfg.attention_backend)
         self.max_context = mc.max_position_embeddings
         self.scheduler = Scheduler(self.pool, self.tree, cfg.max_batch_tokens, cfg.max_running,
-                                   cfg.chunked_prefill_size, self.max_context)  # fmt: skip
+                                   cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
         self.steps = 0
         self.generated_tokens = 0
@@ -304,15 +304,16 @@ class Engine:
                 command = None
             if command is not None:
                 if command[0] == "close":
-                    self._abort_all()
+                    self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
                     return
                 self._run_command(command)
                 continue  # drain all commands before the next step
             if self.scheduler.has_work():
                 try:
                     self._step()
-                except Exception as e:  # a bug must not take the engine down: fail what is running
-                    self._fail_all(f"{type(e).__name__}: {e}")
+                except Exception as e:  # a bug must not take the engine down: fail what is queued
+                    logger.exception("engine step failed")
+                    self._end([*self.scheduler.running, *self.scheduler.waiting], "error", f"{type(e).__name__}: {e}")
             elif self.config.debug:
                 self._check()
 
@@ -322,9 +323,8 @@ class Engine:
             for req in command[1]:
                 self.scheduler.add(req)
         elif kind == "abort":
-            for req in [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.sink[0].rid == command[1]]:
-                self.scheduler.abort(req)
-                self._finish(req, flush=True)
+            self._end([r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.sink[0].rid == command[1]],
+                      "abort")  # fmt: skip
         elif kind == "call":
             _, fn, box, done = command
             try:
@@ -333,16 +333,12 @@ class Engine:
                 box["error"] = e
             done.set()
 
-    def _abort_all(self) -> None:
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+    def _end(self, reqs: list[Request], reason: str, error: str | None = None) -> None:
+        """Stop ``reqs`` wherever they are (their computed pages still enter the cache)
+        and report them finished with ``reason``."""
+        for req in reqs:
             self.scheduler.abort(req)
-            self._finish(req, flush=True)
-
-    def _fail_all(self, error: str) -> None:
-        logger.exception("engine step failed; failing %d requests", len(self.scheduler.running))
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.scheduler.abort(req)
-            req.finish_reason, req.error = "error", error
+            req.finish_reason, req.error = reason, error
             self._finish(req, flush=True)
 
     def _step(self) -> None:
@@ -362,10 +358,7 @@ class Engine:
         try:
             logits = self.model.forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
         except Exception as e:  # the model failed: fail this step's requests, keep serving
-            for s in plan:
-                sched.finish(s.req)
-                s.req.finish_reason, s.req.error = "error", f"{type(e).__name__}: {e}"
-                self._finish(s.req, flush=True)
+            self._end([s.req for s in plan], "error", f"{type(e).__name__}: {e}")
             return
         sched.advance(plan)
         self.steps += 1
@@ -424,20 +417,19 @@ class Engine:
         else:
             self._emit(req, hold=max(map(len, params.stop), default=1) - 1)
 
-    def _emit(self, req: Request, hold: int) -> None:
+    def _emit(self, req: Request, hold: int = 0) -> None:
+        """Stream new token ids and the text except its last ``hold`` characters."""
         sink, index = req.sink
         end = max(req.emitted, len(req.text) - hold)
-        sink.chunk(index, req.text[req.emitted : end], req.output_ids[req.emitted_tokens :], None)
+        sink.chunk(index, req.text[req.emitted : end], req.output_ids[req.emitted_tokens :], req.finish_reason)
         req.emitted = end
         req.emitted_tokens = len(req.output_ids)
 
     def _finish(self, req: Request, flush: bool) -> None:
         if flush:
             req.text += req.detok.flush()
-        sink, index = req.sink
-        sink.chunk(index, req.text[req.emitted :], req.output_ids[req.emitted_tokens :], req.finish_reason)
-        req.emitted, req.emitted_tokens = len(req.text), len(req.output_ids)
-        sink.finished(index, req)
+        self._emit(req)
+        req.sink[0].finished(req.sink[1], req)
 
     def _flush(self) -> bool:
         if self.scheduler.has_work():
@@ -447,9 +439,10 @@ class Engine:
         return True
 
     def _stats(self) -> dict:
-        tree = self.tree.stats()._asdict() if self.tree is not None else None
-        if tree is not None:
-            tree["hit_rate"] = self.tree.stats().hit_rate
+        tree = None
+        if self.tree is not None:
+            stats = self.tree.stats()
+            tree = {**stats._asdict(), "hit_rate": stats.hit_rate}
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

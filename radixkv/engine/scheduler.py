@@ -47,14 +47,13 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, pool: KVPool, tree: RadixCache | None, max_batch_tokens: int, max_running: int,
-                 chunk_size: int | None, max_context: int):  # fmt: skip
+                 chunk_size: int | None):  # fmt: skip
         self.pool = pool
         self.tree = tree
         self.page_size = pool.page_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.chunk_size = chunk_size
-        self.max_context = max_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stopped: list[Request] = []  # finished by the scheduler itself; the engine reports them
@@ -67,12 +66,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def find(self, rid: str) -> Request | None:
-        for req in (*self.running, *self.waiting):
-            if req.rid == rid:
-                return req
-        return None
 
     def abort(self, req: Request) -> None:
         """Stop ``req`` now, wherever it is; its computed pages still enter the cache."""
@@ -108,6 +101,7 @@ class Scheduler:
 
     def _admit(self, plan: list[ScheduledSeq], budget: int) -> None:
         order = list(self.waiting)
+        cached: dict[int, int] = {}
         if self.tree is not None and len(order) <= CACHE_AWARE_QUEUE_LIMIT:
             cached = {id(r): self._cached_len(r) for r in order}
             order.sort(key=lambda r: -cached[id(r)])  # stable: FCFS among equals
@@ -115,8 +109,10 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            if self.tree is not None and self._shares_pending_prefix(req, admitted):
-                continue  # computed by an earlier admission this step; hit the cache next step
+            if admitted and self.tree is not None:
+                own = cached[id(req)] if cached else self._cached_len(req)
+                if self._shares_pending_prefix(req, own, admitted):
+                    continue  # computed by an earlier admission this step; hit the cache next step
             self._attach_prefix(req)
             count = min(len(req.tokens) - req.num_computed, budget, self.chunk_size or budget)
             if not self._reserve(req, count, plan, may_preempt=False):
@@ -133,18 +129,12 @@ class Scheduler:
         key = req.tokens[:-1] if len(req.tokens) > 1 else req.tokens
         return self.tree.match_prefix(key, req.namespace, record_stats=False).num_tokens
 
-    def _shares_pending_prefix(self, req: Request, admitted: list[Request]) -> bool:
-        """Whether an admission of this step computes at least a page of ``req``'s
-        uncached prefix."""
-        mine = req.tokens.tobytes()
-        own = self._cached_len(req) * 4
-        for other in admitted:
-            if other.namespace != req.namespace:
-                continue
-            theirs = other.tokens.tobytes()
-            if mine[: own + 4 * self.page_size] == theirs[: own + 4 * self.page_size] and len(mine) > own:
-                return True
-        return False
+    def _shares_pending_prefix(self, req: Request, cached: int, admitted: list[Request]) -> bool:
+        """Whether an admission of this step computes at least the page that follows
+        ``req``'s ``cached`` tokens."""
+        end = cached + self.page_size
+        mine = req.tokens[:end]
+        return any(o.namespace == req.namespace and o.tokens[:end] == mine for o in admitted)
 
     def _attach_prefix(self, req: Request) -> None:
         """Take the cached prefix: lock its node and own its pages."""
@@ -170,7 +160,7 @@ class Scheduler:
         while need > self.pool.num_free():
             if self.tree is not None and self.tree.evict(need - self.pool.num_free()):
                 continue
-            victim = self._victim(req, plan) if may_preempt else None
+            victim = self._victim(req) if may_preempt else None
             if victim is None:
                 return False
             self.preempt(victim, plan)
@@ -178,7 +168,7 @@ class Scheduler:
             req.pages = np.concatenate([req.pages, self.pool.alloc(need)])
         return True
 
-    def _victim(self, req: Request, plan: list[ScheduledSeq]) -> Request | None:
+    def _victim(self, req: Request) -> Request | None:
         for other in reversed(self.running):
             if other is not req:
                 return other
