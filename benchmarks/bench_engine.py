@@ -21,8 +21,12 @@ attention backend, page size 16, one engine at a time.
    untimed run.
 2. Multi-turn chat. 16 conversations x 4 turns, run turn by turn: the 16 turn-k requests
    are streamed concurrently (``Engine.stream`` under ``asyncio.gather``); a request's TTFT
-   is the time from opening its stream to its first chunk with a token. Turn 1 is
-   ``render_chat`` of one user message (a 40-80 token stdlib docstring); turn k+1 appends
+   is the time from opening its stream to its first chunk with a token. Every
+   conversation opens with the same system message: an instruction and about
+   ``system_tokens`` tokens of reference notes (whole paragraphs of stdlib module
+   docstrings), the way an assistant over a document or an agent with a long tool
+   description starts; ``--system-tokens 0`` drops it. Turn 1 is ``render_chat`` of that
+   system message and one user message (a 40-80 token stdlib docstring); turn k+1 appends
    token ids to turn k's prompt: the answer, ``<|im_end|>`` if the answer did not end
    with it, and the template's text for the next user message, so consecutive turns
    share their prefix token for token. Answers are greedy, 16 tokens at most. Once with
@@ -51,7 +55,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +73,8 @@ ENGINE = {"attention_backend": "torch", "kv_cache_tokens": 16384, "page_size": 1
 DOC_MODULES = ("argparse", "collections", "functools", "inspect", "itertools", "json", "os", "pathlib",
                "shutil", "statistics", "string", "textwrap", "threading")  # fmt: skip
 ASK = "Explain this in plain words: "
+SYSTEM = "You answer questions about Python's standard library. Reference notes:\n\n"
+NOTE_MODULES = ("argparse", "json", "statistics", "os", "inspect", "itertools", "collections", "string")
 NEXT_USER = "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # the chat template's text after an answer
 
 
@@ -81,10 +87,11 @@ class Settings:
     conversations: int = 16
     turns: int = 4
     answer_tokens: int = 16
+    system_tokens: int = 1024
 
 
 FULL = Settings()
-QUICK = Settings(new_tokens=16, repeat=1, conversations=8, turns=3)
+QUICK = Settings(new_tokens=16, repeat=1, conversations=8, turns=3, system_tokens=256)
 
 
 # -- timers on the engine thread -----------------------------------------------------
@@ -227,6 +234,20 @@ def user_messages(engine: Engine, count: int, rng) -> list[str]:
     return [pool[i] for i in rng.choice(len(pool), count, replace=False)]
 
 
+def system_message(engine: Engine, tokens: int) -> list[dict]:
+    """The shared system message: ``SYSTEM`` and whole docstring paragraphs of
+    ``NOTE_MODULES`` until about ``tokens`` tokens (none when ``tokens`` is 0)."""
+    if tokens <= 0:
+        return []
+    text = SYSTEM
+    paragraphs = [p for m in NOTE_MODULES for p in inspect.getdoc(__import__(m)).split("\n\n")]
+    for paragraph in paragraphs:
+        if len(engine.tokenizer.encode(text, add_special_tokens=False)) >= tokens:
+            break
+        text += paragraph + "\n\n"
+    return [{"role": "system", "content": text.strip()}]
+
+
 async def stream_turn(engine: Engine, prompts: list[list[int]], params: SamplingParams):
     """Stream all prompts at once; per prompt: (TTFT in seconds, answer token ids)."""
 
@@ -245,7 +266,10 @@ async def stream_turn(engine: Engine, prompts: list[list[int]], params: Sampling
 def bench_chat(engine: Engine, messages: list[list[str]], s: Settings) -> list[dict]:
     """Run the conversations turn by turn; per turn: TTFTs, prompt and cached tokens, answers."""
     params = SamplingParams(temperature=0, max_new_tokens=s.answer_tokens)
-    prompts = [engine.tokenizer.encode(engine.render_chat([{"role": "user", "content": conv[0]}])) for conv in messages]
+    system = system_message(engine, s.system_tokens)
+    prompts = [
+        engine.tokenizer.encode(engine.render_chat([*system, {"role": "user", "content": conv[0]}])) for conv in messages
+    ]
     turns = []
     for k in range(s.turns):
         hits = _hit_tokens(engine)
@@ -298,7 +322,8 @@ def report_chat(s: Settings, chat: dict) -> tuple[list[dict], float, bool]:
     """Print the TTFT table; return its rows, mean TTFT off/on over turns 2+, and whether
     the answers were identical with the cache on and off."""
     print(f"\n2. Multi-turn chat TTFT: {s.conversations} conversations x {s.turns} turns, each turn's "
-          f"{s.conversations} requests streamed together, greedy answers <= {s.answer_tokens} tokens")  # fmt: skip
+          f"{s.conversations} requests streamed together, greedy answers <= {s.answer_tokens} tokens, "
+          f"shared system message of ~{s.system_tokens} tokens")  # fmt: skip
     print(f"{'':<5}{'prompt':>8}{'new':>6}{'cached':>8}{'TTFT on, s':>17}{'TTFT off, s':>17}{'off/on':>17}")
     print(f"{'turn':<5}{'tok':>8}{'tok':>6}{'%':>8}" + f"{'median    p90':>17}" * 3)
     rows = []
@@ -347,9 +372,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens, turns and repeats")
     ap.add_argument("--json", default="benchmarks/out/bench_engine.json")
+    ap.add_argument("--system-tokens", type=int, help="length of the chat's shared system message (0: none)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     s = QUICK if args.quick else FULL
+    if args.system_tokens is not None:
+        s = replace(s, system_tokens=args.system_tokens)
     rng = np.random.default_rng(0)
 
     engine, profiler = start_engine(s, rng, enable_prefix_cache=True)
