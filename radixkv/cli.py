@@ -1,5 +1,6 @@
-"""Command line: ``radixkv demo | sim``.
+"""Command line: ``radixkv serve | demo | sim``.
 
+    radixkv serve [--model M --port P ...]  the HTTP runtime (``radixkv serve --help``)
     radixkv demo                         hit-rate simulation of the built-in workloads
     radixkv sim TRACE.jsonl [options]    replay your own trace, sweep capacities, plot
     radixkv sim --workload mixed         the same on a built-in workload
@@ -76,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out-dir", default=d.out_dir, help=f"where plots and JSON go (default {d.out_dir})")
     demo.add_argument("--no-model", action="store_true", help="skip the chat; only the cache simulation")
 
+    serve = sub.add_parser(
+        "serve", help="run the HTTP runtime (OpenAI-compatible and native API)",
+        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /generate, "
+        "/flush_cache, /metrics, /health. Every engine and server setting is a flag; defaults come from "
+        "EngineConfig and ServerConfig.",
+    )  # fmt: skip
+    from radixkv.server.serve import add_arguments
+
+    add_arguments(serve)
+
     sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")
     src = sim.add_mutually_exclusive_group(required=True)
     src.add_argument("trace", nargs="?", help="JSONL trace, one request a line: {\"tokens\": [...], ...}")
@@ -123,6 +134,12 @@ def cmd_sim(args) -> int:
         sim.plot(result, args.plot, f"{title}, page size {args.page_size}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from radixkv.server.serve import configs, run
+
+    return run(*configs(args))
 
 
 def cmd_demo(args) -> int:
@@ -174,7 +191,7 @@ def demo_chat() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"sim": cmd_sim, "demo": cmd_demo}[args.command](args)
+        return {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve}[args.command](args)
     except (ValueError, OSError) as e:
         print(f"radixkv {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -19,7 +20,7 @@ import torch
 
 from radixkv.cache.pool import KVPool, PoolConfig
 from radixkv.cache.radix import RadixCache
-from radixkv.engine.request import CompletionOutput, Request, RequestOutput, StreamChunk, new_rid
+from radixkv.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, StreamChunk, new_rid
 from radixkv.engine.sampling import Sampler, SamplerState, SamplingParams, prompt_logprobs
 from radixkv.engine.scheduler import Scheduler
 from radixkv.kernels import get_backend
@@ -81,9 +82,11 @@ class _Sink:
         self.result: RequestOutput | None = None
         self._left = n
 
-    def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> None:
+    def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+              logprobs: list | None, top_logprobs: list | None) -> None:  # fmt: skip
         if self.queue is not None and (text or token_ids or finish_reason):
-            self._post(self.queue.put_nowait, StreamChunk(self.rid, index, text, token_ids, finish_reason))
+            chunk = StreamChunk(self.rid, index, text, token_ids, finish_reason, logprobs, top_logprobs)
+            self._post(self.queue.put_nowait, chunk)
 
     def _post(self, fn, *args) -> None:
         """Hand ``fn(*args)`` to the caller's event loop; a caller that has gone away
@@ -113,6 +116,11 @@ def _resolve(future: asyncio.Future, value) -> None:
 
 def _output(rid: str, children: list[Request]) -> RequestOutput:
     first = children[0]
+    stamps = [t for c in children for t in c.token_times[:1]]
+    metrics = RequestMetrics(
+        first.arrival_time, min(stamps, default=None), time.perf_counter(),
+        [b - a for c in children for a, b in zip(c.token_times, c.token_times[1:])],
+    )  # fmt: skip
     outs = [
         CompletionOutput(
             c.text, list(c.output_ids), c.finish_reason,
@@ -124,7 +132,7 @@ def _output(rid: str, children: list[Request]) -> RequestOutput:
     return RequestOutput(
         rid, len(first.prompt_ids), first.cached_tokens or 0, outs,
         first.prompt_logprobs if first.params.prompt_logprobs_from is not None else None,
-        first.error,
+        first.error, metrics,
     )  # fmt: skip
 
 
@@ -180,20 +188,28 @@ class Engine:
 
     async def generate_async(self, prompt, params: SamplingParams | None = None,
                              namespace: str | None = None) -> RequestOutput:  # fmt: skip
+        """Generate for one prompt; cancelling the awaiting task aborts the request."""
         sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop())
-        return await sink.future
+        try:
+            return await sink.future
+        except asyncio.CancelledError:
+            if not sink.done.is_set():
+                self.abort(sink.rid)
+            raise
 
     async def stream(self, prompt, params: SamplingParams | None = None,
                      namespace: str | None = None) -> AsyncIterator[StreamChunk]:  # fmt: skip
         """Text deltas and token ids as they are generated; never splits a character
-        or emits text a stop string will cut."""
-        sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), stream=True)
-        try:
-            while (item := await sink.queue.get()) is not None:
-                yield item
-        finally:
-            if not sink.done.is_set():
-                self.abort(sink.rid)
+        or emits text a stop string will cut. Closing the iterator early aborts."""
+        async with self.open_stream(prompt, params, namespace) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    def open_stream(self, prompt, params: SamplingParams | None = None, namespace: str | None = None) -> RequestStream:
+        """Submit a request now and return its RequestStream (see ``stream``), which also
+        knows the request id and, once exhausted, the whole RequestOutput. Call from a
+        running event loop."""
+        return RequestStream(self, self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), stream=True))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, namespace: str | None = None,
              **template_args) -> RequestOutput:  # fmt: skip
@@ -215,12 +231,23 @@ class Engine:
         return self._call(self._flush)
 
     def stats(self) -> dict:
+        """Counters and gauges, read on the engine thread between steps (consistent;
+        waits for the current step)."""
         return self._call(self._stats)
+
+    def snapshot(self) -> dict:
+        """``stats()`` read from the calling thread without waiting for the engine:
+        never blocks, but fields may come from either side of a step (for metrics)."""
+        return self._stats()
 
     def check_integrity(self) -> None:
         """Pool and tree invariants, with every running request's references counted.
         Raises IntegrityError."""
         self._call(self._check)
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (False after ``close`` or a crash)."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         if not self._closed:
@@ -242,7 +269,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         rid = new_rid()
         sink = _Sink(rid, params.n, loop, stream)
         reqs = []
@@ -260,7 +287,9 @@ class Engine:
         self._commands.put(("add", reqs))
         return sink
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
+        """``prompt`` (text or token ids) as checked token ids: not empty, in the
+        vocabulary, shorter than the context and the pool. Raises ValueError/TypeError."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -395,6 +424,7 @@ class Engine:
         req.tokens.append(token)
         req.output_ids.append(token)
         req.sampler.append(token)
+        req.token_times.append(time.perf_counter())
         self.generated_tokens += 1
         if params.logprobs:
             req.logprobs.append(logprob)
@@ -421,7 +451,10 @@ class Engine:
         """Stream new token ids and the text except its last ``hold`` characters."""
         sink, index = req.sink
         end = max(req.emitted, len(req.text) - hold)
-        sink.chunk(index, req.text[req.emitted : end], req.output_ids[req.emitted_tokens :], req.finish_reason)
+        new = slice(req.emitted_tokens, None)
+        sink.chunk(index, req.text[req.emitted : end], req.output_ids[new], req.finish_reason,
+                   req.logprobs[new] if req.params.logprobs else None,
+                   req.top_logprobs[new] if req.params.top_logprobs else None)  # fmt: skip
         req.emitted = end
         req.emitted_tokens = len(req.output_ids)
 
@@ -458,6 +491,40 @@ class Engine:
             self.tree.check_integrity(external_refs=self.scheduler.owners())
         else:
             self.pool.check_integrity()
+
+
+class RequestStream:
+    """One streamed request: ``async for chunk in stream`` yields StreamChunks until the
+    request ends; ``output`` is its RequestOutput afterwards. Leaving an ``async with``
+    block (or calling ``abort``) before the end aborts the request."""
+
+    def __init__(self, engine: Engine, sink: _Sink):
+        self._engine = engine
+        self._sink = sink
+        self.rid = sink.rid
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        item = await self._sink.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    @property
+    def output(self) -> RequestOutput | None:
+        return self._sink.result
+
+    def abort(self) -> None:
+        if not self._sink.done.is_set():
+            self._engine.abort(self.rid)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
 
 
 def _cut_at_stop(req: Request, before: int) -> bool:

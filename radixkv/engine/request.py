@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from array import array
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class Request:
     top_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     sink: object = None  # where the engine delivers events (see engine.py)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)  # perf_counter when each output token was sampled
 
     def __post_init__(self):
         if not self.tokens:
@@ -73,6 +76,20 @@ class CompletionOutput:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """Timings of one request, in seconds (``time.perf_counter`` clock)."""
+
+    arrival_time: float
+    first_token_time: float | None  # None when no token was generated
+    finish_time: float
+    inter_token_latencies: list[float]  # gaps between consecutive tokens of each completion
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The result of one prompt: ``outputs`` holds ``n`` completions."""
 
@@ -82,6 +99,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     prompt_logprobs: list[float] | None = None
     error: str | None = None
+    metrics: RequestMetrics | None = None
 
     @property
     def text(self) -> str:
@@ -109,3 +127,5 @@ class StreamChunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[float] | None = None  # of token_ids, when the request asked for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None

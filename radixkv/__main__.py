@@ -1,0 +1,5 @@
+import sys
+
+from radixkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The HTTP runtime: ``Server`` (ASGI app over an Engine), protocol structs, metrics."""

@@ -1,0 +1,122 @@
+"""``radixkv serve``: flags for every EngineConfig and ServerConfig field, then uvicorn.
+
+Flags are made from the two dataclasses, so a new setting gets a flag (and its
+default) by being added there, plus one line of help in ``HELP``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+
+from radixkv.engine.engine import EngineConfig
+from radixkv.server.app import ServerConfig
+
+HELP = {
+    "model": "registry name (see README), GGUF file or HF model directory",
+    "page_size": "tokens per KV page",
+    "kv_cache_tokens": "KV pool size in tokens (default: a 1 GiB pool)",
+    "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
+    "device": "torch device: cpu, cuda, cuda:1 ...",
+    "dtype": "weights and KV dtype: float32, bfloat16, float16",
+    "attention_backend": "torch, triton, flashinfer or auto",
+    "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
+    "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
+    "chunked_prefill_size": "longest prefill chunk in tokens; 0 prefills whole prompts",
+    "max_batch_tokens": "token budget of one engine step (prefill chunks + decodes)",
+    "max_running": "most requests in the running batch",
+    "debug": "check pool and tree integrity whenever the engine goes idle",
+    "host": "address to bind; loopback unless you mean to expose the server",
+    "port": "TCP port",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "served_model_name": "the model name clients must send (default: --model)",
+    "max_body_bytes": "largest request body accepted (413 above it)",
+    "graceful_shutdown_seconds": "on SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted",
+    "log_level": "uvicorn log level: critical, error, warning, info, debug",
+}
+CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16")}
+ZERO_IS_NONE = {"chunked_prefill_size"}
+
+
+def _typed(kind: str, name: str):
+    base = kind.replace(" | None", "")
+    convert = {"int": int, "float": float, "str": str}[base]
+
+    def parse(text: str):
+        if text.lower() == "none" and "None" in kind:
+            return None
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {base}, got {text!r}") from None
+        if name in ZERO_IS_NONE and value == 0:
+            return None
+        return value
+
+    parse.__name__ = base  # argparse names the type in its errors
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for group_name, cls in (("engine", EngineConfig), ("server", ServerConfig)):
+        group = parser.add_argument_group(f"{group_name} ({cls.__name__})")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {default})"
+            if f.type == "bool":
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            else:
+                group.add_argument(flag, type=_typed(f.type, f.name), default=default, choices=CHOICES.get(f.name),
+                                   metavar=f.name.upper(), help=help_text)  # fmt: skip
+
+
+def configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs from parsed flags; raises ValueError on a bad combination."""
+    pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
+    return EngineConfig(**pick(EngineConfig)), ServerConfig(**pick(ServerConfig))
+
+
+def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the model, serve until SIGINT/SIGTERM, shut down cleanly."""
+    import uvicorn
+
+    from radixkv.engine.engine import Engine
+    from radixkv.server.app import Server
+
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    settings = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    engine = Engine(engine_config.model, **settings)
+    app = Server(engine, server_config)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:  # not on this platform
+        loop = "asyncio"
+    config = uvicorn.Config(
+        app, host=server_config.host, port=server_config.port, loop=loop, lifespan="on",
+        log_level=server_config.log_level, access_log=server_config.log_level == "debug",
+        timeout_graceful_shutdown=server_config.graceful_shutdown_seconds,
+    )  # fmt: skip
+    logging.getLogger("radixkv.server").info(
+        "serving %s on http://%s:%d (%s loop)", app.model_name, server_config.host, server_config.port, loop
+    )
+    # uvicorn handles SIGINT/SIGTERM (stop accepting, let in-flight requests finish for
+    # graceful_shutdown_seconds, abort the rest, lifespan shutdown closes the engine) and
+    # then re-raises the signal to the handler that was there before: make that a no-op,
+    # so a clean shutdown exits 0 instead of dying by the signal.
+    previous = {sig: signal.signal(sig, _shutdown_done) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _shutdown_done(signum, frame) -> None:
+    """Receives the signal uvicorn re-raises after its graceful shutdown."""
