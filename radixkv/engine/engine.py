@@ -216,10 +216,11 @@ class Engine:
         """Render ``messages`` with the model's chat template and generate."""
         return self.generate(self.render_chat(messages, **template_args), params, namespace)
 
-    def render_chat(self, messages: list[dict], **template_args) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_args) -> str:
+        """``messages`` as the model's chat template writes them (text, not ids)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt=True, **template_args)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_args)
 
     def abort(self, rid: str) -> None:
         """Stop a request (all its ``n`` completions) now; it finishes with "abort"."""

@@ -11,6 +11,9 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     GET  /health                200 while the engine thread lives
     GET  /stats                 Engine.stats() as JSON
     GET  /debug/integrity       pool and tree invariants (500 if broken)
+    GET  /model_info            context length, vocabulary, EOS ids, page size
+    POST /tokenize              text -> token ids (what program frontends build prompts from)
+    POST /render_chat           messages -> the chat template's text
 
 The event loop never waits for the model: requests go to the engine thread and come
 back through futures and queues; blocking engine calls run in worker threads. A
@@ -209,6 +212,9 @@ class Server:
             ("GET", "/health"): self.health,
             ("GET", "/stats"): self.stats,
             ("GET", "/debug/integrity"): self.integrity,
+            ("GET", "/model_info"): self.model_info,
+            ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/render_chat"): self.render_chat,
         }
         self.paths = {path for _, path in self.routes}
 
@@ -286,6 +292,14 @@ class Server:
 
     def _namespace(self, http: Http, salt: str | None) -> str | None:
         return salt if salt is not None else http.headers.get("x-cache-salt")
+
+    def _render(self, req, add_generation_prompt: bool) -> str:
+        messages = P.chat_messages(req)
+        extra = {"tools": req.tools} if req.tools else {}
+        try:
+            return self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
+        except Exception as e:  # the template's own checks (roles, order) or a missing template
+            raise P.ApiError(400, f"messages cannot be rendered with the chat template: {e}", "messages") from None
 
     def _check_output(self, out: RequestOutput) -> None:
         if out.error is not None:
@@ -386,11 +400,7 @@ class Server:
     async def chat_completions(self, http: Http) -> None:
         req = await http.json(P.ChatCompletionRequest)
         self._check_model(req.model)
-        messages = P.chat_messages(req)
-        try:
-            text = self.engine.render_chat(messages, **({"tools": req.tools} if req.tools else {}))
-        except Exception as e:  # the template's own checks (roles, order) or a missing template
-            raise P.ApiError(400, f"messages cannot be rendered with the chat template: {e}", "messages") from None
+        text = self._render(req, add_generation_prompt=True)
         ids = await self._prompt_ids(text, "messages")
         fields = P.openai_fields(req)
         limit, param = req.max_completion_tokens, "max_completion_tokens"
@@ -509,6 +519,21 @@ class Server:
 
     async def stats(self, http: Http) -> None:
         await http.send(200, P.encode(await asyncio.to_thread(self.engine.stats)))
+
+    async def model_info(self, http: Http) -> None:
+        e = self.engine
+        info = P.ModelInfo(self.model_name, e.max_context, e.model.config.vocab_size,
+                           sorted(e.tokenizer.eos_token_ids), e.config.page_size)  # fmt: skip
+        await http.send(200, P.encode(info))
+
+    async def tokenize(self, http: Http) -> None:
+        req = await http.json(P.TokenizeRequest)
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, req.text, req.add_special_tokens)
+        await http.send(200, P.encode({"tokens": ids}))
+
+    async def render_chat(self, http: Http) -> None:
+        req = await http.json(P.RenderChatRequest)
+        await http.send(200, P.encode({"text": self._render(req, req.add_generation_prompt)}))
 
     async def integrity(self, http: Http) -> None:
         try:

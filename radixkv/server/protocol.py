@@ -101,7 +101,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(req: ChatCompletionRequest | RenderChatRequest) -> list[dict]:
     """The messages as the chat template wants them: text content only."""
     if not req.messages:
         raise ApiError(400, "messages must not be empty", "messages")
@@ -336,6 +336,28 @@ class GenerateChunk(Struct):
     output_ids: list[int]
     index: int
     finish_reason: str | None = None
+
+
+# -- helpers for program frontends ----------------------------------------------------------
+
+
+class TokenizeRequest(Struct, forbid_unknown_fields=True):
+    text: str
+    add_special_tokens: bool = False
+
+
+class RenderChatRequest(Struct, forbid_unknown_fields=True):
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+
+class ModelInfo(Struct):
+    model: str
+    max_context: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    page_size: int
 
 
 def encode(obj) -> bytes:
