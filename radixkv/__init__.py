@@ -2,7 +2,11 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams"]
+_FRONTEND = (
+    "function", "gen", "select", "system", "user", "assistant", "assistant_begin", "assistant_end",
+    "set_default_backend", "EngineBackend", "RuntimeEndpoint", "ProgramError", "ProgramState",
+)  # fmt: skip
+__all__ = ["Engine", "EngineConfig", "SamplingParams", *_FRONTEND]
 
 
 def __getattr__(name):
@@ -15,4 +19,8 @@ def __getattr__(name):
         from radixkv.engine.sampling import SamplingParams
 
         return SamplingParams
+    if name in _FRONTEND:
+        from radixkv import frontend
+
+        return getattr(frontend, name)
     raise AttributeError(f"module 'radixkv' has no attribute {name!r}")

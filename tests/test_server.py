@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,50 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixkv.engine.engine import Engine, EngineConfig
 from radixkv.engine.sampling import SamplingParams
 from radixkv.server.app import ServerConfig
+from serving import start_server, stop
 
 MODEL = "smollm2-135m-instruct"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 POOL_TOKENS = 4096
 MAX_BODY = 200_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(tmp_path / f"server-{port}.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--attention-backend", "torch",
-         "--log-level", "warning", *flags],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {(tmp_path / f'server-{port}.log').read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not come up")
-
-
-def stop(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
 
 
 @pytest.fixture(scope="module")

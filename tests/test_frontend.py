@@ -1,0 +1,266 @@
+"""The program frontend on the real embedded model: token-level prompt growth, forks,
+select, Engine vs HTTP backends, errors, streaming, batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from serving import start_server, stop
+
+from radixkv.engine.engine import Engine
+from radixkv.frontend import (
+    BackendError,
+    EngineBackend,
+    ProgramError,
+    RuntimeEndpoint,
+    UnknownVariableError,
+    assistant,
+    function,
+    gen,
+    select,
+    system,
+    user,
+)
+from radixkv.frontend.program import ChatMarkers
+
+GREEDY = {"temperature": 0, "max_tokens": 12}
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(attention_backend="torch", kv_cache_tokens=8192, page_size=PAGE) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def backend(engine):
+    return EngineBackend(engine)
+
+
+@pytest.fixture(autouse=True)
+def integrity_after_each_test(request):
+    yield
+    if "engine" in request.fixturenames:
+        request.getfixturevalue("engine").check_integrity()
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    proc, url = start_server(tmp_path_factory.mktemp("frontend-server"), "--kv-cache-tokens", "8192")
+    ep = RuntimeEndpoint(url)
+    yield ep
+    ep.close()
+    assert stop(proc) == 0
+
+
+@function
+def multi_turn(s, questions):
+    s += system("You are a helpful assistant. Answer in one short sentence.")
+    for i, q in enumerate(questions):
+        s += user(q)
+        s += assistant(gen(f"answer{i}", **GREEDY))
+
+
+QUESTIONS = ["What is a radix tree?", "Why is it useful for caching?", "Name one program that uses it."]
+
+
+def test_multi_turn_prompts_extend_token_by_token(backend, engine):
+    engine.flush_cache()
+    s = multi_turn.run(questions=QUESTIONS, backend=backend)
+    calls = s.calls
+    assert [c.kind for c in calls] == ["gen"] * 3
+    for before, after in zip(calls, calls[1:]):
+        grown = before.prompt_ids + tuple(engine.tokenizer.encode(s[f"answer{calls.index(before)}"],
+                                                                  add_special_tokens=False))  # fmt: skip
+        assert after.prompt_ids[: len(before.prompt_ids)] == before.prompt_ids  # a token-level extension
+        assert len(after.prompt_ids) > len(grown)
+        # the whole previous prompt and its full-page answer come from the cache
+        full = (len(before.prompt_ids) + before.completion_tokens) // PAGE * PAGE
+        assert after.cached_tokens >= min(full, len(after.prompt_ids) - 1) // PAGE * PAGE - PAGE
+        assert after.cached_tokens > before.cached_tokens
+    assert calls[0].cached_tokens == 0
+    # the text is exactly the chat template's rendering of the messages, and the ids are its tokens
+    assert s.text() == engine.render_chat(s.messages(), add_generation_prompt=False)
+    assert s.token_ids() == engine.tokenizer.encode(s.text())
+    assert [m["role"] for m in s.messages()] == ["system"] + ["user", "assistant"] * 3
+    report = s.cache_report()
+    assert report.calls == 3 and report.cached_tokens == sum(c.cached_tokens for c in calls)
+
+
+def test_gen_matches_an_engine_chat_request(backend, engine):
+    s = multi_turn.run(questions=QUESTIONS[:1], backend=backend)
+    messages = s.messages()[:2]
+    from radixkv.engine.sampling import SamplingParams
+
+    want = engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=12))
+    assert s["answer0"] == want.text
+    assert list(s.calls[0].prompt_ids) == engine.tokenizer.encode(engine.render_chat(messages))
+
+
+@function
+def branches(s, topic, styles):
+    s += system("You write short lines.")
+    s += user(f"Write one line about {topic}.")
+    s += assistant(gen("draft", **GREEDY))
+    forks = s.fork(len(styles))
+    for f, style in zip(forks, styles):
+        f += user(f"Rewrite it in a {style} style.")
+        f += assistant(gen("line", **GREEDY))
+    forks.join()
+
+
+@function
+def one_branch(s, topic, draft, style):
+    s += system("You write short lines.")
+    s += user(f"Write one line about {topic}.")
+    s += assistant(draft)
+    s += user(f"Rewrite it in a {style} style.")
+    s += assistant(gen("line", **GREEDY))
+
+
+STYLES = ["formal", "funny", "poetic"]
+
+
+def test_fork_join_shares_the_prefix_and_equals_separate_programs(backend, engine):
+    engine.flush_cache()
+    s = branches.run(topic="the sea", styles=STYLES, backend=backend)
+    assert [c.kind for c in s.calls] == ["gen", "prefix"]
+    prefix = s.calls[1].prompt_ids
+    assert len(s.children) == 3
+    for child in s.children:
+        (call,) = child.calls
+        assert call.prompt_ids[: len(prefix)] == prefix
+        assert call.cached_tokens >= (len(prefix) - 1) // PAGE * PAGE  # the shared prefix, whole pages
+    assert s["line"] == [child["line"] for child in s.children]
+    engine.flush_cache()
+    alone = [one_branch.run(topic="the sea", draft=s["draft"], style=st, backend=backend)["line"] for st in STYLES]
+    assert s["line"] == alone
+
+
+@function
+def pick(s, question, choices):
+    s += user(question)
+    s += assistant(select("choice", choices))
+
+
+def test_select_picks_the_highest_total_logprob(backend, engine):
+    choices = ["Paris", "London", "The city of Berlin"]
+    s = pick.run(question="What is the capital of France? Answer with the city.", choices=choices, backend=backend)
+    prefix = list(s.calls[0].prompt_ids)[: -len(engine.tokenizer.encode(choices[0], add_special_tokens=False))]
+    want = []
+    for c in choices:  # direct: the model's logits over prefix + choice, all positions
+        ids = prefix + engine.tokenizer.encode(c, add_special_tokens=False)
+        want.append(total_logprob(engine, ids, len(prefix)))
+    got = s.get_meta_info("choice")["logprobs"]
+    assert got == pytest.approx(want, abs=1e-3)
+    assert s["choice"] == choices[max(range(3), key=want.__getitem__)]
+    assert s.messages()[-1] == {"role": "assistant", "content": s["choice"]}
+    assert all(c.cached_tokens > 0 for c in s.calls[1:])  # later choices reuse the prompt
+
+
+def total_logprob(engine: Engine, ids: list[int], start: int) -> float:
+    """Sum of log p(ids[t] | ids[:t]) for t >= start, from one full forward of the
+    engine's model on a private pool (no cache, no sampler)."""
+    from radixkv.cache import KVPool, PoolConfig
+    from radixkv.engine.batch import ForwardBatch, SeqInput
+
+    c = engine.model.config
+    pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, PAGE, num_pages=-(-len(ids) // PAGE)))
+    pages = pool.alloc(-(-len(ids) // PAGE))
+    batch = ForwardBatch.build([SeqInput(ids, 0, pages)], PAGE, "cpu")
+    with torch.inference_mode():
+        logits = engine.model.forward(batch, pool, engine.backend, all_logits=True)
+    lp = torch.log_softmax(logits.double(), -1)
+    return float(sum(lp[t - 1, ids[t]] for t in range(start, len(ids))))
+
+
+def test_engine_and_endpoint_give_identical_results(backend, endpoint):
+    here = multi_turn.run(questions=QUESTIONS[:2], backend=backend)
+    there = multi_turn.run(questions=QUESTIONS[:2], backend=endpoint)
+    assert here.text() == there.text()
+    assert here.token_ids() == there.token_ids()
+    assert [c.prompt_ids for c in here.calls] == [c.prompt_ids for c in there.calls]
+    forked_here = branches.run(topic="trees", styles=STYLES[:2], backend=backend)
+    forked_there = branches.run(topic="trees", styles=STYLES[:2], backend=endpoint)
+    assert forked_here["line"] == forked_there["line"]
+    picked = [pick.run(question="Is the sky blue? Answer yes or no.", choices=["yes", "no"], backend=b)
+              for b in (backend, endpoint)]  # fmt: skip
+    assert picked[0]["choice"] == picked[1]["choice"]
+    assert picked[0].get_meta_info("choice")["logprobs"] == pytest.approx(
+        picked[1].get_meta_info("choice")["logprobs"], abs=1e-4
+    )
+
+
+def test_streaming_text_iter_adds_up(backend, endpoint):
+    for b in (backend, endpoint):
+        s = multi_turn.run(questions=QUESTIONS[:1], backend=b, stream=True)
+        pieces = list(s.text_iter())
+        assert len(pieces) > 5 and "".join(pieces) == s.text()
+
+
+def test_run_batch_in_order_with_shared_system_prompt(backend, engine):
+    engine.flush_cache()
+    questions = [[q] for q in QUESTIONS]
+    states = multi_turn.run_batch([{"questions": q} for q in questions], backend=backend, num_threads=3,
+                                  progress_bar=True)  # fmt: skip
+    alone = [multi_turn.run(questions=q, backend=backend)["answer0"] for q in questions]
+    assert [s["answer0"] for s in states] == alone
+    system_tokens = len(engine.tokenizer.encode(engine.render_chat(
+        [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}],
+        add_generation_prompt=False)))  # fmt: skip
+    for s in states[1:]:  # the first program ran alone: the others found the system prompt cached
+        assert s.calls[0].cached_tokens >= system_tokens // PAGE * PAGE
+
+
+def test_program_errors_are_clear(backend):
+    @function
+    def bare_gen_after_user(s):
+        s += user("Hi")
+        s += gen("x", max_tokens=2)
+
+    with pytest.raises(ProgramError, match="after the user message was closed"):
+        bare_gen_after_user.run(backend=backend)
+
+    s = multi_turn.run(questions=QUESTIONS[:1], backend=backend)
+    with pytest.raises(UnknownVariableError, match="no variable 'answer9'.*answer0"):
+        s["answer9"]
+    with pytest.raises(KeyError):
+        s["nope"]
+
+    @function
+    def late_system(s):
+        s += user("Hi")
+        s += system("Too late")
+
+    with pytest.raises(ProgramError, match="system.*first"):
+        late_system.run(backend=backend)
+    with pytest.raises(ProgramError, match="no backend"):
+        multi_turn.run(questions=[])
+    with pytest.raises(ProgramError, match="regex"):
+        gen("x", regex=r"\d+")
+    with pytest.raises(ProgramError, match="choices"):
+        select("x", [])
+
+    @function
+    def bad_param(s):
+        s += user("Hi")
+        s += assistant(gen("x", max_tokens=0))
+
+    with pytest.raises(ProgramError, match="max_new_tokens"):
+        bad_param.run(backend=backend)
+    with pytest.raises(BackendError, match="cannot reach the radixkv runtime at http://127.0.0.1:9"):
+        RuntimeEndpoint("http://127.0.0.1:9")
+
+
+def test_markers_reproduce_the_template(backend, engine):
+    m = ChatMarkers.from_backend(backend)
+    assert m.begin["user"] + "x" + m.end["user"] in engine.render_chat([{"role": "user", "content": "x"}], False)
+
+    @function
+    def user_first(s):
+        s += user("Hello there")
+        s += assistant("General Kenobi")
+
+    s = user_first.run(backend=backend)
+    assert s.text() == engine.render_chat(s.messages(), add_generation_prompt=False)  # incl. the default system
