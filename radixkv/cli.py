@@ -166,26 +166,54 @@ def cmd_demo(args) -> int:
 DEMO_TURNS = [
     "In one sentence, what is a radix tree?",
     "Why does that help an LLM server reuse work between requests?",
-    "Give one everyday analogy for it.",
 ]
+DEMO_STYLES = ["a haiku", "a one-line joke", "advice for a beginner"]
+
+
+def demo_program():
+    """The demo: a 2-turn chat, then a fork into three branches that share it."""
+    from radixkv.frontend import assistant, function, gen, system, user
+
+    @function
+    def demo(s, turns, styles):
+        s += system("You are a helpful assistant. Answer briefly.")
+        for i, question in enumerate(turns):
+            s += user(question)
+            s += assistant(gen(f"turn{i}", max_tokens=40, temperature=0))
+        branches = s.fork(len(styles))
+        for branch, style in zip(branches, styles):
+            branch += user(f"Now say it as {style}.")
+            branch += assistant(gen("take", max_tokens=32, temperature=0))
+        branches.join()
+
+    return demo
 
 
 def demo_chat() -> None:
-    """Three chat turns on the embedded model: each turn's prompt repeats the whole
-    conversation, and the cache serves all of it but the new message."""
-    from radixkv.engine.engine import Engine
-    from radixkv.engine.sampling import SamplingParams
+    """Run the demo program on the embedded model and show what the cache served."""
+    import time
 
-    print("radixkv demo: a 3-turn chat with SmolLM2-135M on this CPU (greedy, 48 new tokens a turn)\n")
-    params = SamplingParams(temperature=0, max_new_tokens=48)
-    messages = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."}]
-    with Engine(attention_backend="torch", kv_cache_tokens=8192) as engine:
-        for question in DEMO_TURNS:
-            messages.append({"role": "user", "content": question})
-            out = engine.chat(messages, params)
-            messages.append({"role": "assistant", "content": out.text})
-            print(f"user: {question}\nassistant: {out.text.strip()}")
-            print(f"  [prompt {out.prompt_tokens} tokens, {out.cached_tokens} served from the prefix cache]\n")
+    from radixkv.frontend import EngineBackend
+    from radixkv.frontend.report import calls_table
+
+    print("radixkv demo: a chat program with SmolLM2-135M on this CPU (greedy): two turns, then three branches\n")
+    t0 = time.perf_counter()
+    backend = EngineBackend(attention_backend="torch", kv_cache_tokens=8192)
+    print(f"(model loaded in {time.perf_counter() - t0:.1f} s)\n")
+    try:
+        state = demo_program().run(turns=DEMO_TURNS, styles=DEMO_STYLES, backend=backend)
+    finally:
+        backend.close()
+    for i, question in enumerate(DEMO_TURNS):
+        print(f"user: {question}\nassistant: {state[f'turn{i}'].strip()}\n")
+    for style, take in zip(DEMO_STYLES, state["take"]):
+        print(f"[branch: {style}] {take.strip()}")
+    calls = state.all_calls()
+    labels = [*(f"turn {i + 1}" for i in range(len(DEMO_TURNS))), "fork: shared prefix",
+              *(f"branch: {style}" for style in DEMO_STYLES)]  # fmt: skip
+    print("\nWhat each call sent, and how much of it the radix-tree prefix cache already held:\n")
+    print(calls_table(calls, labels))
+    print("\nLater turns and every branch reuse the conversation before them; only new tokens are computed.\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -208,12 +208,15 @@ def test_flush_cache_empties_the_tree_when_idle(engine):
     assert stats["cache"]["cached_pages"] == 0 and stats["pool"]["free"] == stats["pool"]["pages"]
 
 
-def test_demo_chat_serves_later_turns_from_the_cache(capsys):
+def test_demo_chat_serves_later_turns_and_branches_from_the_cache(capsys):
     import re
 
-    from radixkv.cli import demo_chat
+    from radixkv.cli import DEMO_STYLES, demo_chat
 
     demo_chat()
     out = capsys.readouterr().out
-    cached = [int(m) for m in re.findall(r"(\d+) served from the prefix cache", out)]
-    assert len(cached) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+    rows = [re.match(r"(turn \d|branch: .+?)\s{2,}(\d+)\s+(\d+)", line) for line in out.splitlines()]
+    cached = {m[1]: int(m[3]) for m in rows if m}
+    assert cached["turn 1"] == 0 and cached["turn 2"] > 0
+    for style in DEMO_STYLES:
+        assert cached[f"branch: {style}"] >= cached["turn 2"]
