@@ -197,6 +197,7 @@ class CallRecord:
     cached_tokens: int
     completion_tokens: int
     seconds: float
+    ttft: float | None = None  # submission to first token, as the backend measured it
 
 
 @dataclass
@@ -365,7 +366,7 @@ class ProgramState:
 
     def _record(self, kind, name, prompt, r: CallResult, seconds) -> None:
         self.calls.append(CallRecord(kind, name, tuple(prompt), r.prompt_tokens, r.cached_tokens,
-                                     len(r.token_ids), seconds))  # fmt: skip
+                                     len(r.token_ids), seconds, r.ttft))  # fmt: skip
 
     # -- forks -------------------------------------------------------------------------------
 

@@ -400,7 +400,7 @@ class Server:
     async def chat_completions(self, http: Http) -> None:
         req = await http.json(P.ChatCompletionRequest)
         self._check_model(req.model)
-        text = self._render(req, add_generation_prompt=True)
+        text = await asyncio.to_thread(self._render, req, True)  # a long chat or tool schema: off the loop
         ids = await self._prompt_ids(text, "messages")
         fields = P.openai_fields(req)
         limit, param = req.max_completion_tokens, "max_completion_tokens"
@@ -533,7 +533,8 @@ class Server:
 
     async def render_chat(self, http: Http) -> None:
         req = await http.json(P.RenderChatRequest)
-        await http.send(200, P.encode({"text": self._render(req, req.add_generation_prompt)}))
+        text = await asyncio.to_thread(self._render, req, req.add_generation_prompt)
+        await http.send(200, P.encode({"text": text}))
 
     async def integrity(self, http: Http) -> None:
         try:
