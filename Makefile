@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench bench-e2e venv clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: venv
 
 bench: venv
 	$(PY) benchmarks/bench_radix.py
+
+bench-e2e: venv
+	$(VENV)/bin/radixkv bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """Command line: ``radixkv serve | demo | sim``.
 
     radixkv serve [--model M --port P ...]  the HTTP runtime (``radixkv serve --help``)
+    radixkv bench [--scale small]           end-to-end workloads vs peers (source checkout)
     radixkv demo                         hit-rate simulation of the built-in workloads
     radixkv sim TRACE.jsonl [options]    replay your own trace, sweep capacities, plot
     radixkv sim --workload mixed         the same on a built-in workload
@@ -87,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(serve)
 
+    bench = sub.add_parser(
+        "bench", help="end-to-end benchmark: SGLang-paper workloads on radixkv and its peers (source checkout)",
+        description="Runs benchmarks/bench_e2e.py (a small scale by default: minutes, not hours) and prints "
+        "per-workload throughput, TTFT and hit rates for radixkv, radixkv without its prefix cache, HF "
+        "transformers request by request, and llama.cpp's server when installed.",
+    )  # fmt: skip
+    bench.add_argument("--scale", choices=("tiny", "small", "full"), default="small", help="workload sizes (default small)")
+    bench.add_argument("--workloads", help="comma-separated subset of few_shot,multi_turn,branching,rag,agent")
+    bench.add_argument("--systems", help="comma-separated subset of radixkv,radixkv-no-cache,transformers,llama.cpp")
+    bench.add_argument("--out", default="benchmarks/out", help="where JSON and plots go (default benchmarks/out)")
+
     sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")
     src = sim.add_mutually_exclusive_group(required=True)
     src.add_argument("trace", nargs="?", help="JSONL trace, one request a line: {\"tokens\": [...], ...}")
@@ -134,6 +146,21 @@ def cmd_sim(args) -> int:
         sim.plot(result, args.plot, f"{title}, page size {args.page_size}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def cmd_bench(args) -> int:
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "bench_e2e.py").exists():
+        raise ValueError("radixkv bench needs the benchmarks/ folder of a source checkout (clone the project and "
+                         "pip install -e it); there is none beside this installation")  # fmt: skip
+    sys.path.insert(0, str(root))
+    from benchmarks import bench_e2e
+
+    argv = ["--scale", args.scale, "--out", args.out]
+    for flag in ("workloads", "systems"):
+        if getattr(args, flag):
+            argv += [f"--{flag}", getattr(args, flag)]
+    return bench_e2e.main(argv)
 
 
 def cmd_serve(args) -> int:
@@ -219,7 +246,7 @@ def demo_chat() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve}[args.command](args)
+        return {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except (ValueError, OSError) as e:
         print(f"radixkv {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,121 @@
+"""llama.cpp as a benchmark peer: llama-cpp-python's OpenAI-compatible server on the
+same GGUF file, driven as a frontend backend.
+
+Installed into its own virtualenv by ``bash benchmarks/peers/setup_llamacpp.sh``
+(``.peers/llamacpp-venv``; building llama.cpp takes ~10 minutes on 2 cores). Prompts
+are sent as token ids built with radixkv's tokenizer (the same vocabulary), streamed,
+so TTFT is the first streamed token; EOS is suppressed with a logit bias where the
+workload asks for ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PYTHON = ROOT / ".peers" / "llamacpp-venv" / "bin" / "python"
+
+
+def unavailable() -> str | None:
+    """Why the peer cannot run here, or None."""
+    import subprocess
+
+    if not PYTHON.exists():
+        return "not installed (bash benchmarks/peers/setup_llamacpp.sh)"
+    check = subprocess.run([str(PYTHON), "-c", "import llama_cpp.server"], capture_output=True, text=True)
+    if check.returncode != 0:
+        return f"llama_cpp.server does not import: {check.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+def version() -> str:
+    import subprocess
+
+    out = subprocess.run([str(PYTHON), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                         capture_output=True, text=True)  # fmt: skip
+    return out.stdout.strip()
+
+
+class LlamaCppServer:
+    """The server process (2 threads, 8k context, one request at a time as it serves
+    them) and a backend on it."""
+
+    def __init__(self):
+        from benchmarks.peers.processes import start_process
+        from radixkv.model import resolve_model
+
+        gguf = resolve_model().path
+        cmd = [str(PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", "--n_threads", "2",
+               "--n_batch", "512"]  # fmt: skip
+        self.proc, url = start_process(cmd, "/v1/models", "llama.cpp server")
+        self.backend = LlamaCppBackend(url)
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        from benchmarks.peers.processes import stop_process
+
+        self.backend.close()
+        stop_process(self.proc)
+
+
+class LlamaCppBackend(Backend):
+    def __init__(self, url: str):
+        import httpx
+
+        from radixkv.model import resolve_model
+        from radixkv.model.chat_template import ChatTemplate
+        from radixkv.model.tokenizer import Tokenizer
+
+        self.url = url
+        self._http = httpx.Client(base_url=url, timeout=3600)
+        self.tokenizer = Tokenizer.load(resolve_model())
+        self.template = ChatTemplate.from_tokenizer(self.tokenizer)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.max_context = 8192
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def generate(self, prompts: list[list[int]], params: dict) -> list[CallResult]:
+        results = []
+        for p in prompts:
+            *_, last = self.stream(p, params)
+            results.append(last)
+        return results
+
+    def stream(self, prompt: list[int], params: dict):
+        if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
+            raise ValueError("the llama.cpp peer runs greedy generation only")
+        body = {"prompt": prompt, "max_tokens": params.get("max_new_tokens", 128), "temperature": 0.0,
+                "top_k": 1, "stream": True}  # fmt: skip
+        if params.get("ignore_eos"):
+            body["logit_bias"] = {str(t): -100.0 for t in self.eos_token_ids}
+        t0, ttft, text, ids, reason = time.perf_counter(), None, [], [], None
+        with self._http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise BackendError(f"llama.cpp answered {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(choice.get("text") or "")
+                reason = choice.get("finish_reason") or reason
+                yield Delta(choice.get("text") or "")
+        full = "".join(text)
+        ids = self.tokenize(full)  # the server streams text; its token count is what max_tokens bounded
+        yield CallResult(full, ids, len(prompt), 0, reason, None, ttft)
+
+    def close(self) -> None:
+        self._http.close()

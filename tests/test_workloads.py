@@ -1,0 +1,93 @@
+"""The benchmark workloads: deterministic generators, traces for `radixkv sim`, and a
+small end-to-end run against radixkv (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import bench_e2e  # noqa: E402
+from benchmarks import workloads as W  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(W.WORKLOADS))
+def test_generators_are_deterministic(name):
+    a, b, other = W.make(name, 0, W.FULL), W.make(name, 0, W.FULL), W.make(name, 1, W.FULL)
+    assert a.runs == b.runs and a.runs != other.runs
+    assert a.name == name and len(a.runs) > 0
+
+
+def test_full_shapes_follow_the_paper():
+    few = W.make("few_shot")
+    assert len(few.runs) == 64 and len({r["examples"] for r in few.runs}) == 1
+    chat = W.make("multi_turn")
+    assert len(chat.runs) == 16 and all(len(r["messages"]) == 4 for r in chat.runs)
+    rag = W.make("rag")
+    assert len(rag.runs) == 100 and all(len(r["documents"]) == 3 for r in rag.runs)
+    assert len({d for r in rag.runs for d in r["documents"]}) <= 30
+    assert all(r["documents"] == sorted(r["documents"], key=lambda d: int(d.split()[1].rstrip("]")))
+               for r in rag.runs)  # fmt: skip
+    tree = W.make("branching")
+    assert all(r["depth"] == 3 and r["width"] == 3 for r in tree.runs)
+
+
+@pytest.mark.parametrize("name", ["few_shot", "multi_turn", "rag", "agent", "branching"])
+def test_trace_export_replays_in_sim(tmp_path, name):
+    from radixkv.cache import sim, traces
+
+    workload = W.make(name, 0, W.TINY)
+    n = W.export_trace(workload, tmp_path / "t.jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert len(lines) == n > 0 and all(line["tokens"] and line["output_tokens"] for line in lines)
+    if name != "branching":  # forks run side by side, so their order in the trace may vary
+        W.export_trace(workload, tmp_path / "again.jsonl")
+        assert (tmp_path / "again.jsonl").read_text() == (tmp_path / "t.jsonl").read_text()
+    result = sim.replay(traces.load_jsonl(tmp_path / "t.jsonl"), None, 16)
+    if name in ("few_shot", "multi_turn", "agent", "branching"):
+        assert result.hit_rate > 0  # shared prefixes or growing prompts
+
+
+def test_multi_turn_prompts_grow_by_whole_turns(tmp_path):
+    W.export_trace(W.make("multi_turn", 0, W.TINY), tmp_path / "t.jsonl")
+    reqs = [json.loads(line)["tokens"] for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    first, second = reqs[0], reqs[1]  # the first conversation's two turns (runs replay in order)
+    assert second[: len(first)] == first and len(second) > len(first)
+
+
+def test_small_end_to_end_run_against_radixkv(tmp_path, capsys):
+    assert bench_e2e.main(["--scale", "tiny", "--systems", "radixkv", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "bench_e2e.json").read_text())
+    rows = {r["workload"]: r for r in out["rows"]}
+    assert set(rows) == set(W.WORKLOADS)
+    for name, r in rows.items():
+        workload = W.make(name, 0, W.TINY)
+        per_run = {"few_shot": W.TINY.few_shot_answer, "multi_turn": W.TINY.turns * W.TINY.chat_answer,
+                   "rag": W.TINY.rag_answer, "agent": (W.TINY.agent_steps + 1) * W.TINY.agent_answer,
+                   "branching": (3 + 9 + 27) * W.TINY.branch_answer}[name]  # fmt: skip
+        assert r["output_tokens"] == per_run * len(workload.runs)  # ignore_eos: every token generated
+        assert r["wall_s"] > 0 and r["prompt_tokens"] > 0 and r["cached_tokens"] >= 0
+    assert rows["branching"]["cached_tokens"] > 0 and rows["few_shot"]["cached_tokens"] > 0
+    assert (tmp_path / "e2e_throughput.png").stat().st_size > 0 and (tmp_path / "e2e_hit_rate.png").stat().st_size > 0
+    assert "== rag" in capsys.readouterr().out
+
+
+def test_workload_names_are_checked():
+    with pytest.raises(ValueError, match="unknown workload"):
+        W.make("nope")
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--systems", "vllm"])
+    assert replace(W.TINY, threads=1).threads == 1
+
+
+def test_radixkv_bench_command_runs_the_small_benchmark(tmp_path, capsys):
+    from radixkv.cli import main
+
+    assert main(["bench", "--scale", "tiny", "--systems", "radixkv", "--workloads", "few_shot",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert "== few_shot" in capsys.readouterr().out and (tmp_path / "bench_e2e.json").exists()
