@@ -26,6 +26,7 @@ class TorchBackend(AttentionBackend):
         self.qo_lens = batch.qo_lens
         self.seq_lens = batch.seq_lens
         self.out_slots = batch.out_slots
+        self._masks: dict = {}  # sliding window -> sequence index -> mask, filled by the first layer
         self.decode = len(self.qo_lens) > 1 and all(n == 1 for n in self.qo_lens)
         if self.decode:
             longest = max(self.seq_lens)
@@ -48,7 +49,8 @@ class TorchBackend(AttentionBackend):
             return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
         start = 0
-        for n, total, slots in zip(self.qo_lens, self.seq_lens, self.kv_slots):
+        masks: dict = self._masks.setdefault((sliding_window,), {})
+        for i, (n, total, slots) in enumerate(zip(self.qo_lens, self.seq_lens, self.kv_slots)):
             if n == total:  # nothing cached: the new K/V are the whole sequence
                 ki, vi = k[start : start + n], v[start : start + n]
             else:
@@ -59,11 +61,14 @@ class TorchBackend(AttentionBackend):
             if logit_softcap is None and sliding_window is None and (n == total or n == 1):
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=True)
             else:
-                q_pos = torch.arange(total - n, total, device=q.device)[:, None]
-                kv_pos = torch.arange(total, device=q.device)[None, :]
-                mask = kv_pos <= q_pos
-                if sliding_window is not None:
-                    mask &= kv_pos > q_pos - sliding_window
+                mask = masks.get(i)
+                if mask is None:  # the first layer builds it; the others reuse it
+                    q_pos = torch.arange(total - n, total, device=q.device)[:, None]
+                    kv_pos = torch.arange(total, device=q.device)[None, :]
+                    mask = kv_pos <= q_pos
+                    if sliding_window is not None:
+                        mask &= kv_pos > q_pos - sliding_window
+                    masks[i] = mask
                 if logit_softcap is None:
                     oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
                 else:
