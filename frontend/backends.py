@@ -31,6 +31,11 @@ class CallResult:
     finish_reason: str | None
     prompt_logprobs: list[float | None] | None = None
     ttft: float | None = None
+    completion_tokens: int | None = None  # when it differs from len(token_ids) (a text-only peer)
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids) if self.completion_tokens is None else self.completion_tokens
 
 
 @dataclass(frozen=True)

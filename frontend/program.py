@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
@@ -366,7 +366,7 @@ class ProgramState:
 
     def _record(self, kind, name, prompt, r: CallResult, seconds) -> None:
         self.calls.append(CallRecord(kind, name, tuple(prompt), r.prompt_tokens, r.cached_tokens,
-                                     len(r.token_ids), seconds, r.ttft))  # fmt: skip
+                                     r.generated, seconds, r.ttft))  # fmt: skip
 
     # -- forks -------------------------------------------------------------------------------
 

@@ -2,10 +2,15 @@
 same GGUF file, driven as a frontend backend.
 
 Installed into its own virtualenv by ``bash benchmarks/peers/setup_llamacpp.sh``
-(``.peers/llamacpp-venv``; building llama.cpp takes ~10 minutes on 2 cores). Prompts
-are sent as token ids built with radixkv's tokenizer (the same vocabulary), streamed,
-so TTFT is the first streamed token; EOS is suppressed with a logit bias where the
-workload asks for ``ignore_eos``.
+(``.peers/llamacpp-venv``; building llama.cpp takes ~8 minutes on 2 cores). It runs the
+GGUF's own Q4_1 weights (radixkv dequantizes them to float32). Its server accepts only
+text prompts, so the token ids the program built are decoded to text (the same
+vocabulary, so the server's tokenizer gives the ids back in all but rare cases);
+requests are streamed, so TTFT is the first streamed token, and the generated-token
+count is the number of streamed token chunks (the stream carries no usage). The
+server serves one request at a time; it keeps the previous request's KV and, with
+``--cache``, snapshots of earlier ones for prefix reuse. EOS and the other special
+tokens are suppressed with a logit bias where the workload asks for ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class LlamaCppServer:
 
         gguf = resolve_model().path
         cmd = [str(PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", "--n_threads", "2",
-               "--n_batch", "512"]  # fmt: skip
+               "--n_threads_batch", "2", "--n_batch", "512", "--interrupt_requests", "False", "--logits_all", "False",
+               "--cache", "True", "--cache_type", "ram"]  # fmt: skip
         self.proc, url = start_process(cmd, "/v1/models", "llama.cpp server")
         self.backend = LlamaCppBackend(url)
 
@@ -77,6 +83,8 @@ class LlamaCppBackend(Backend):
         self.tokenizer = Tokenizer.load(resolve_model())
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        specials = {i for i in range(64) if (self.tokenizer.id_to_token(i) or "").startswith("<")}
+        self._no_stop = {str(t): -100.0 for t in sorted(self.eos_token_ids | specials)}
         self.max_context = 8192
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -95,11 +103,11 @@ class LlamaCppBackend(Backend):
     def stream(self, prompt: list[int], params: dict):
         if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
             raise ValueError("the llama.cpp peer runs greedy generation only")
-        body = {"prompt": prompt, "max_tokens": params.get("max_new_tokens", 128), "temperature": 0.0,
-                "top_k": 1, "stream": True}  # fmt: skip
+        body = {"prompt": self.tokenizer.decode(prompt), "max_tokens": params.get("max_new_tokens", 128),
+                "temperature": 0.0, "top_k": 1, "stream": True}  # fmt: skip
         if params.get("ignore_eos"):
-            body["logit_bias"] = {str(t): -100.0 for t in self.eos_token_ids}
-        t0, ttft, text, ids, reason = time.perf_counter(), None, [], [], None
+            body["logit_bias"] = self._no_stop
+        t0, ttft, text, tokens, reason = time.perf_counter(), None, [], 0, None
         with self._http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -108,14 +116,17 @@ class LlamaCppBackend(Backend):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 choice = json.loads(line[6:])["choices"][0]
+                if choice.get("finish_reason"):
+                    reason = choice["finish_reason"]
+                    continue
                 if ttft is None:
                     ttft = time.perf_counter() - t0
+                tokens += 1  # one chunk per generated token
                 text.append(choice.get("text") or "")
-                reason = choice.get("finish_reason") or reason
                 yield Delta(choice.get("text") or "")
         full = "".join(text)
-        ids = self.tokenize(full)  # the server streams text; its token count is what max_tokens bounded
-        yield CallResult(full, ids, len(prompt), 0, reason, None, ttft)
+        # the program continues from the text, re-tokenized: the server gives out no ids
+        yield CallResult(full, self.tokenize(full), len(prompt), 0, reason, None, ttft, tokens)
 
     def close(self) -> None:
         self._http.close()
