@@ -100,23 +100,18 @@ class Served:
     """`radixkv serve` in a child process, and a RuntimeEndpoint on it."""
 
     def __init__(self, *flags: str):
-        from benchmarks.peers.processes import start_process
-
-        self.proc, url = start_process(
-            [sys.executable, "-m", "radixkv", "serve", "--log-level", "warning", "--attention-backend", "torch",
-             "--kv-cache-tokens", str(KV_CACHE_TOKENS), *flags], "/health", "radixkv serve")  # fmt: skip
         from radixkv.frontend import RuntimeEndpoint
+        from radixkv.server.process import ServerProcess
 
-        self.backend = RuntimeEndpoint(url)
+        self.server = ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", str(KV_CACHE_TOKENS), *flags)
+        self.backend = RuntimeEndpoint(self.server.url)
 
     def reset(self) -> None:
         self.backend._call("POST", "/flush_cache")
 
     def close(self) -> None:
-        from benchmarks.peers.processes import stop_process
-
         self.backend.close()
-        stop_process(self.proc)
+        self.server.stop()
 
 
 class InProcess:

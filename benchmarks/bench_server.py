@@ -51,9 +51,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -70,11 +67,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_result  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.sampling import SamplingParams  # noqa: E402
+from radixkv.server.process import ServerProcess  # noqa: E402
 
 TARGETS = {"health_max_ms_during_prefill": 100}
 ENGINE = {"attention_backend": "torch", "kv_cache_tokens": 8192, "page_size": 16}
 START_TIMEOUT_S = 180
-STOP_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
@@ -105,47 +102,14 @@ class Result:
 # -- the server process ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(log_path: Path) -> tuple[subprocess.Popen, str, float]:
-    """``radixkv serve`` with the ENGINE settings on a free port; returns the process, its
-    URL and the seconds until /health answered 200. Raises RuntimeError (with the log)
-    if it exits or does not come up."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--log-level", "warning",
-           "--attention-backend", ENGINE["attention_backend"], "--kv-cache-tokens", str(ENGINE["kv_cache_tokens"]),
-           "--page-size", str(ENGINE["page_size"])]  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
-    url = f"http://127.0.0.1:{port}"
+def start_server(log_path: Path) -> tuple[ServerProcess, float]:
+    """``radixkv serve`` with the ENGINE settings; returns it and the seconds until
+    /health answered 200. Raises RuntimeError (with the log) if it does not come up."""
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < START_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; its log:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, time.perf_counter() - t0
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S} s; its log:\n{log_path.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    """SIGTERM, then the exit code (killed, and an error, if it does not stop in time)."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"the server did not stop within {STOP_TIMEOUT_S} s of SIGTERM") from None
+    server = ServerProcess("--attention-backend", ENGINE["attention_backend"], "--kv-cache-tokens",
+                           str(ENGINE["kv_cache_tokens"]), "--page-size", str(ENGINE["page_size"]),
+                           log_path=log_path, timeout=START_TIMEOUT_S)  # fmt: skip
+    return server, time.perf_counter() - t0
 
 
 def warm_up(url: str, model: str) -> None:
@@ -477,8 +441,8 @@ def main() -> None:
 
     rows, answers = bench_in_process(s)  # first, and closed before the server starts
     log_path = Path(tempfile.mkstemp(prefix="bench_server-", suffix=".log")[1])
-    proc, url, start_s = start_server(log_path)
-    exit_code = None
+    server, start_s = start_server(log_path)
+    url, exit_code = server.url, None
     try:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         warm_up(url, model)
@@ -486,11 +450,11 @@ def main() -> None:
         flush(url)
         http_rows, http_answers = bench_http(url, model, s)
         after = check_after(url)
-        exit_code = stop_server(proc)
+        exit_code = server.stop()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
     if exit_code != 0:
         print(f"server log ({log_path}):\n{log_path.read_text()}")
     else:

@@ -14,12 +14,6 @@ from __future__ import annotations
 import argparse
 import ast
 import operator
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 from radixkv.frontend import (
     RuntimeEndpoint,
@@ -33,6 +27,7 @@ from radixkv.frontend import (
     user,
 )
 from radixkv.frontend.report import calls_table
+from radixkv.server.process import ServerProcess
 
 FACTS = {
     "earth": "The Earth is about 12,742 km across and orbits the Sun in 365.25 days.",
@@ -105,29 +100,6 @@ def agent(s, task, max_steps):
         s += user(f"Observation: {observation}")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    """`radixkv serve` on a free loopback port, once /health answers."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--log-level", "warning",
-                             "--kv-cache-tokens", "16384"], env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"radixkv serve exited with status {proc.returncode}")
-        try:
-            return proc, RuntimeEndpoint(url).url
-        except Exception:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("radixkv serve did not come up within 2 minutes")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running `radixkv serve` (default: start one)")
@@ -137,7 +109,8 @@ def main(argv=None):
     server = None
     if args.url is None:
         print("starting radixkv serve ...")
-        server, args.url = start_server()
+        server = ServerProcess("--kv-cache-tokens", "16384")
+        args.url = server.url
     backend = RuntimeEndpoint(args.url, api_key=args.api_key)
     try:
         state = agent.run(task=TASK, max_steps=args.max_steps, backend=backend)
@@ -150,8 +123,7 @@ def main(argv=None):
     finally:
         backend.close()
         if server is not None:
-            server.send_signal(signal.SIGTERM)
-            server.wait(30)
+            server.stop()
 
 
 if __name__ == "__main__":

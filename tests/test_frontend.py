@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from serving import start_server, stop
+from radixkv.server.process import ServerProcess
 
 from radixkv.engine.engine import Engine
 from radixkv.frontend import (
@@ -47,11 +47,12 @@ def integrity_after_each_test(request):
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
-    proc, url = start_server(tmp_path_factory.mktemp("frontend-server"), "--kv-cache-tokens", "8192")
-    ep = RuntimeEndpoint(url)
-    yield ep
-    ep.close()
-    assert stop(proc) == 0
+    log = tmp_path_factory.mktemp("frontend-server") / "server.log"
+    with ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", "8192", log_path=log) as server:
+        ep = RuntimeEndpoint(server.url)
+        yield ep
+        ep.close()
+    assert server.exit_code == 0
 
 
 @function

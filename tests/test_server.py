@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixkv.engine.engine import Engine, EngineConfig
 from radixkv.engine.sampling import SamplingParams
 from radixkv.server.app import ServerConfig
-from serving import start_server, stop
+from radixkv.server.process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
 KEY = "test-key"
@@ -36,12 +36,12 @@ MAX_BODY = 200_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc, url = start_server(
-        tmp_path_factory.mktemp("server"), "--kv-cache-tokens", str(POOL_TOKENS), "--api-key", KEY,
-        "--max-body-bytes", str(MAX_BODY), "--debug",
-    )  # fmt: skip
-    yield url
-    assert stop(proc) == 0
+    with ServerProcess(
+        "--attention-backend", "torch", "--kv-cache-tokens", str(POOL_TOKENS), "--api-key", KEY,
+        "--max-body-bytes", str(MAX_BODY), "--debug", log_path=tmp_path_factory.mktemp("server") / "server.log",
+    ) as server:  # fmt: skip
+        yield server.url
+    assert server.exit_code == 0
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +405,9 @@ def test_loopback_load(server, http):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_shuts_down_cleanly_with_a_request_in_flight(tmp_path, sig):
-    proc, url = start_server(tmp_path, "--kv-cache-tokens", "2048", "--graceful-shutdown-seconds", "1")
+    server = ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", "2048",
+                           "--graceful-shutdown-seconds", "1", log_path=tmp_path / "server.log")  # fmt: skip
+    proc, url = server.proc, server.url
     body = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     received, ended = [], threading.Event()
 

@@ -50,24 +50,24 @@ class LlamaCppServer:
     them) and a backend on it."""
 
     def __init__(self):
-        from benchmarks.peers.processes import start_process
         from radixkv.model import resolve_model
+        from radixkv.server.process import launch
 
         gguf = resolve_model().path
         cmd = [str(PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", "--n_threads", "2",
                "--n_threads_batch", "2", "--n_batch", "512", "--interrupt_requests", "False", "--logits_all", "False",
                "--cache", "True", "--cache_type", "ram"]  # fmt: skip
-        self.proc, url = start_process(cmd, "/v1/models", "llama.cpp server")
+        self.proc, url = launch(cmd, "/v1/models", "llama.cpp server")
         self.backend = LlamaCppBackend(url)
 
     def reset(self) -> None:
         pass
 
     def close(self) -> None:
-        from benchmarks.peers.processes import stop_process
+        from radixkv.server.process import stop
 
         self.backend.close()
-        stop_process(self.proc)
+        stop(self.proc)
 
 
 class LlamaCppBackend(Backend):

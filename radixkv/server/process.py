@@ -1,0 +1,84 @@
+"""Run a server as a child process on a free loopback port: `radixkv serve` for
+examples, tests and benchmarks, or any command that takes ``--host`` and ``--port``.
+
+    with ServerProcess("--kv-cache-tokens", "16384") as server:
+        RuntimeEndpoint(server.url)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
+           log_path: str | Path | None = None) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """Run ``cmd --host 127.0.0.1 --port P``; return (process, base URL) once GET
+    ``ready_path`` answers 200. Output goes to ``log_path`` (default: a temporary file),
+    whose tail is in the error if the process exits first."""
+    import httpx
+
+    port = free_port()
+    log = open(log_path, "w+") if log_path else tempfile.NamedTemporaryFile(
+        "w+", prefix=f"{name.replace(' ', '-')}-", suffix=".log", delete=False
+    )  # fmt: skip
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{log.read()[-3000:]}")
+        try:
+            if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM, then the exit status (killed after ``timeout`` seconds)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+class ServerProcess:
+    """`radixkv serve` with ``flags`` (plus a free port), started at construction; a
+    context manager that stops it. ``url`` is its base URL, ``exit_code`` is set after
+    ``stop()``."""
+
+    def __init__(self, *flags: str, log_path: str | Path | None = None, timeout: float = 300):
+        cmd = [sys.executable, "-m", "radixkv", "serve", "--log-level", "warning", *flags]
+        self.proc, self.url = launch(cmd, "/health", "radixkv serve", timeout, log_path)
+        self.exit_code: int | None = None
+
+    def stop(self) -> int:
+        if self.exit_code is None:
+            self.exit_code = stop(self.proc)
+        return self.exit_code
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
