@@ -69,7 +69,7 @@ GEN_PARAMS = {  # gen() keyword -> SamplingParams field
     "max_tokens": "max_new_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature",
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-    "seed": "seed",
+    "seed": "seed", "regex": "regex",
 }  # fmt: skip
 
 
@@ -79,10 +79,8 @@ def gen(name: str | None = None, max_tokens: int = 128, stop: str | Sequence[str
         repetition_penalty: float | None = None, ignore_eos: bool | None = None,
         stop_token_ids: Sequence[int] | None = None, seed: int | None = None, regex: str | None = None) -> Gen:  # fmt: skip
     """Generate into the state; ``s[name]`` is the text. Unset options keep the
-    runtime's defaults (SamplingParams). ``regex`` is not supported by this runtime
-    yet and raises ProgramError when given."""
-    if regex is not None:
-        raise ProgramError("gen(regex=...): constrained decoding is not supported by the radixkv runtime yet")
+    runtime's defaults (SamplingParams). ``regex`` constrains the output to a full
+    match of the pattern (for short structured answers; see radixkv.engine.constrain)."""
     given = dict(locals())
     params = {ours: given[kw] for kw, ours in GEN_PARAMS.items() if given[kw] is not None}
     if isinstance(params.get("stop"), str):

@@ -200,6 +200,29 @@ def test_bad_requests_get_clear_errors(engine):
     engine.check_integrity()
 
 
+def test_regex_constrains_the_output(engine):
+    import re
+
+    from radixkv.engine.constrain import TokenTexts, allowed_tokens, compile_pattern
+
+    prompt = engine.render_chat([{"role": "user", "content": "Pick a date in 2024 (YYYY-MM-DD)."}])
+    pattern = r"2024-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
+    out = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=16, regex=pattern))
+    assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop"
+    sampled = engine.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=s, max_new_tokens=16, regex=pattern)
+                                            for s in range(3)])  # fmt: skip
+    assert all(re.fullmatch(pattern, o.text) for o in sampled)
+    # the mask itself: after "2024-1" only 0-2 (and longer tokens that fit) may follow
+    vocab = TokenTexts(engine.tokenizer, engine.model.config.vocab_size)
+    ok = allowed_tokens(compile_pattern(pattern), "2024-1", vocab)
+    allowed = {vocab.texts[i] for i in ok.nonzero().flatten().tolist()}
+    assert allowed and all(re.fullmatch(pattern, "2024-1" + t) or re.match(r"[0-2](-[0-9]*)?$", t) for t in allowed)
+    assert not ok[list(vocab.eos)].any()  # "2024-1" is not a full match yet
+    with pytest.raises(ValueError, match="regex"):
+        SamplingParams(regex="([")
+    engine.check_integrity()
+
+
 def test_flush_cache_empties_the_tree_when_idle(engine):
     engine.generate("Hello there", GREEDY)
     assert engine.stats()["cache"]["cached_pages"] > 0

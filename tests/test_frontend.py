@@ -15,6 +15,8 @@ from radixkv.frontend import (
     RuntimeEndpoint,
     UnknownVariableError,
     assistant,
+    assistant_begin,
+    assistant_end,
     function,
     gen,
     select,
@@ -238,8 +240,13 @@ def test_program_errors_are_clear(backend):
         late_system.run(backend=backend)
     with pytest.raises(ProgramError, match="no backend"):
         multi_turn.run(questions=[])
+    @function
+    def bad_regex(s):
+        s += user("Hi")
+        s += assistant(gen("x", max_tokens=4, regex="(unclosed"))
+
     with pytest.raises(ProgramError, match="regex"):
-        gen("x", regex=r"\d+")
+        bad_regex.run(backend=backend)
     with pytest.raises(ProgramError, match="choices"):
         select("x", [])
 
@@ -252,6 +259,25 @@ def test_program_errors_are_clear(backend):
         bad_param.run(backend=backend)
     with pytest.raises(BackendError, match="cannot reach the radixkv runtime at http://127.0.0.1:9"):
         RuntimeEndpoint("http://127.0.0.1:9")
+
+
+def test_gen_with_a_regex_gives_a_full_match(backend, endpoint):
+    import re
+
+    @function
+    def structured(s):
+        s += user("How many legs does a spider have? Then: is water wet?")
+        s += assistant_begin()
+        s += "Legs: "
+        s += gen("legs", max_tokens=6, temperature=0, regex=r"[0-9]{1,2}")
+        s += "\nWet: "
+        s += gen("wet", max_tokens=4, temperature=0.9, seed=3, regex=r"(yes|no)")
+        s += assistant_end()
+
+    for b in (backend, endpoint):
+        s = structured.run(backend=b)
+        assert re.fullmatch(r"[0-9]{1,2}", s["legs"]) and s["wet"] in ("yes", "no")
+        assert s.get_meta_info("wet")["finish_reason"] == "stop"
 
 
 def test_markers_reproduce_the_template(backend, engine):

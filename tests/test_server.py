@@ -306,6 +306,7 @@ BAD = [  # (id, path, body: dict or raw bytes, status, param)
     ("unknown sampling param", "/generate", {"text": "a", "sampling_params": {"max_tokenz": 3}}, 400,
      "sampling_params.max_tokenz"),
     ("bad sampling value", "/generate", {"text": "a", "sampling_params": {"top_k": -7}}, 400, "sampling_params.top_k"),
+    ("bad regex", "/v1/completions", {**OK, "regex": "(unclosed"}, 400, "regex"),
     ("unknown route", "/v2/nothing", OK, 404, None),
 ]
 

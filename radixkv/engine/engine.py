@@ -162,6 +162,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.tree, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
+        self._token_texts = None  # each token's text, for regex-constrained requests
         self.steps = 0
         self.generated_tokens = 0
         self._commands: queue.Queue = queue.Queue()
@@ -401,9 +402,26 @@ class Engine:
         sampling = [i for i, s in enumerate(plan) if s.samples]
         if not sampling:
             return
-        result = self.sampler.sample(logits[sampling], [plan[i].req.sampler for i in sampling])
+        rows = logits[sampling]  # a copy: constraints may mask it
+        for j, i in enumerate(sampling):
+            if plan[i].req.params.regex is not None:
+                rows[j].masked_fill_(~self._allowed(plan[i].req, rows.shape[1]), float("-inf"))
+        result = self.sampler.sample(rows, [plan[i].req.sampler for i in sampling])
         for j, i in enumerate(sampling):
             self._append(plan[i].req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])
+
+    def _allowed(self, req: Request, vocab_size: int) -> torch.Tensor:
+        """Bool [V] of the tokens ``req.params.regex`` allows next (EOS alone when none)."""
+        from radixkv.engine.constrain import TokenTexts, allowed_tokens, compile_pattern
+
+        if self._token_texts is None:  # decoded once, on the first constrained request
+            self._token_texts = TokenTexts(self.tokenizer, min(vocab_size, self.model.config.vocab_size))
+        ok = allowed_tokens(compile_pattern(req.params.regex), req.text, self._token_texts)
+        if not ok.any():  # no continuation fits: end here
+            ok[list(self._token_texts.eos)] = True
+        if len(ok) < vocab_size:
+            ok = torch.cat([ok, ok.new_zeros(vocab_size - len(ok))])
+        return ok.to(self.config.device)
 
     def _prompt_logprobs(self, s, rows: torch.Tensor) -> None:
         """Logprob of each prompt token from ``prompt_logprobs_from`` on; row t of the step

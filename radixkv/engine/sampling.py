@@ -125,6 +125,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs_from: int | None = None
     skip_special_tokens: bool = True
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         setf = object.__setattr__
@@ -157,6 +158,10 @@ class SamplingParams:
         if self.prompt_logprobs_from is not None:
             _check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.regex is not None:
+            from radixkv.engine.constrain import compile_pattern
+
+            compile_pattern(self.regex)
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:

@@ -46,8 +46,8 @@ class StreamOptions(Struct):
 
 
 class _Sampling(Struct, kw_only=True):
-    """Fields every OpenAI-style request shares, with vLLM's extensions
-    (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, cache_salt)."""
+    """Fields every OpenAI-style request shares, with vLLM's and SGLang's extensions
+    (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, cache_salt, regex)."""
 
     model: str
     temperature: float | None = None
@@ -67,6 +67,7 @@ class _Sampling(Struct, kw_only=True):
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    regex: str | None = None  # constrained decoding (SGLang's field name)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -182,6 +183,8 @@ def openai_fields(req: _Sampling) -> dict:
         fields["top_p"] = req.top_p
     if req.stop is not None:
         fields["stop"] = req.stop
+    if req.regex is not None:
+        fields["regex"] = req.regex
     return fields
 
 
