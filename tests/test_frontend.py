@@ -280,6 +280,19 @@ def test_gen_with_a_regex_gives_a_full_match(backend, endpoint):
         assert s.get_meta_info("wet")["finish_reason"] == "stop"
 
 
+def test_default_backend(backend):
+    from radixkv.frontend import set_default_backend
+
+    set_default_backend(backend)
+    try:
+        s = multi_turn.run(questions=QUESTIONS[:1])
+        assert s.backend is backend and s["answer0"]
+    finally:
+        set_default_backend(None)
+    with pytest.raises(ProgramError, match="no backend"):
+        multi_turn.run(questions=QUESTIONS[:1])
+
+
 def test_markers_reproduce_the_template(backend, engine):
     m = ChatMarkers.from_backend(backend)
     assert m.begin["user"] + "x" + m.end["user"] in engine.render_chat([{"role": "user", "content": "x"}], False)
