@@ -158,20 +158,23 @@ class ChatMarkers:
         if generation != begin["assistant"]:
             raise ProgramError(f"the chat template's generation prompt {generation!r} differs from its "
                                f"assistant message start {begin['assistant']!r}")  # fmt: skip
+        if not first["user"].endswith(begin["user"]):
+            raise ProgramError("the chat template opens a first user message differently from later ones; "
+                               "role markers cannot be derived from it")  # fmt: skip
         first["assistant"] = first["user"][: len(first["user"]) - len(begin["user"])] + begin["assistant"]
         begin["system"] = first["system"]
         return cls(first, begin, end)
 
 
-_markers_cache: dict[int, ChatMarkers] = {}
 _markers_lock = threading.Lock()
 
 
 def markers_for(backend: Backend) -> ChatMarkers:
+    """The backend's chat markers, derived once and kept on the backend."""
     with _markers_lock:
-        if id(backend) not in _markers_cache:
-            _markers_cache[id(backend)] = ChatMarkers.from_backend(backend)
-        return _markers_cache[id(backend)]
+        if getattr(backend, "_chat_markers", None) is None:
+            backend._chat_markers = ChatMarkers.from_backend(backend)
+        return backend._chat_markers
 
 
 # -- program state -------------------------------------------------------------------------
