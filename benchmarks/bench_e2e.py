@@ -107,7 +107,7 @@ class Served:
         self.backend = RuntimeEndpoint(self.server.url)
 
     def reset(self) -> None:
-        self.backend._call("POST", "/flush_cache")
+        self.backend.flush_cache()
 
     def close(self) -> None:
         self.backend.close()
@@ -284,7 +284,12 @@ def main(argv=None) -> int:
         print(f"\nplots: {out / 'e2e_throughput.png'}, {out / 'e2e_hit_rate.png'}")
     rows = [{**{k: v for k, v in asdict(r).items() if k != "texts"}, "output_tok_s": r.tok_s, "req_s": r.req_s,
              "hit_rate": r.hit_rate} for r in results]  # fmt: skip
-    write_result(out / "bench_e2e.json", rows, scale=args.scale, scale_settings=asdict(scale), seed=args.seed,
+    peers = {}
+    if "llama.cpp" in systems:
+        from benchmarks.peers import llamacpp_backend
+
+        peers["llama_cpp_python"] = None if llamacpp_backend.unavailable() else llamacpp_backend.version()
+    write_result(out / "bench_e2e.json", rows, scale=args.scale, scale_settings=asdict(scale), seed=args.seed, **peers,
                  speedups=summary, hit_rate_vs_capacity=curves, goals=GOALS,
                  total_seconds=time.perf_counter() - t0)  # fmt: skip
     print(f"total {time.perf_counter() - t0:.0f} s")

@@ -13,7 +13,7 @@ from radixkv.frontend.program import (
     ForkGroup,
     ProgramError,
     ProgramState,
-    SglFunction,
+    ProgramFunction,
     UnknownVariableError,
     assistant,
     assistant_begin,
@@ -28,6 +28,6 @@ from radixkv.frontend.program import (
 
 __all__ = [
     "Backend", "BackendError", "CallResult", "EngineBackend", "RuntimeEndpoint", "CacheReport", "CallRecord",
-    "ForkGroup", "ProgramError", "ProgramState", "SglFunction", "UnknownVariableError", "assistant",
+    "ForkGroup", "ProgramError", "ProgramState", "ProgramFunction", "UnknownVariableError", "assistant",
     "assistant_begin", "assistant_end", "function", "gen", "select", "set_default_backend", "system", "user",
 ]  # fmt: skip

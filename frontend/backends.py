@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -145,7 +144,6 @@ class RuntimeEndpoint(Backend):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="radixkv-endpoint")
-        self._lock = threading.Lock()
         self.cache_salt = cache_salt
         info = self._call("GET", "/model_info")
         self.eos_token_ids = frozenset(info["eos_token_ids"])
@@ -160,6 +158,10 @@ class RuntimeEndpoint(Backend):
         except httpx.HTTPError as e:
             raise BackendError(f"cannot reach the radixkv runtime at {self.url}: {e}") from None
         return _checked(r)
+
+    def flush_cache(self) -> None:
+        """Empty the server's prefix cache (BackendError while requests run there)."""
+        self._call("POST", "/flush_cache")
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._call("POST", "/tokenize", {"text": text, "add_special_tokens": add_special_tokens})["tokens"]

@@ -321,12 +321,11 @@ class ProgramState:
             (result,) = self.backend.generate([prompt], g.params)
         self._record("gen", g.name, prompt, result, time.perf_counter() - t0)
         ids = list(result.token_ids)
-        if result.finish_reason == "stop" and ids and ids[-1] in self.backend.eos_token_ids | set(
-            g.params.get("stop_token_ids", ())
-        ):
-            ids.pop()  # the end-of-turn token: the role's end marker writes it back
-        elif result.finish_reason == "stop":  # a stop string cut the text inside the ids
-            ids = self.backend.tokenize(result.text)
+        if result.finish_reason == "stop":
+            if ids and ids[-1] in self.backend.eos_token_ids | set(g.params.get("stop_token_ids", ())):
+                ids.pop()  # the end-of-turn token: the role's end marker writes it back
+            else:  # a stop string cut the text inside the ids
+                ids = self.backend.tokenize(result.text)
         self._segments.append(Segment(result.text, tuple(ids)))
         if self._open_role is not None:
             self._open_text.append(result.text)
@@ -383,7 +382,7 @@ class ProgramState:
             (r,) = self.backend.generate([prompt], {"max_new_tokens": 1, "temperature": 0.0})
             self._record("prefix", None, prompt, r, time.perf_counter() - t0)
             self._computed = len(prompt)
-        children = [ProgramState(self.backend, self._stream_q is not None, _parent=self) for _ in range(n)]
+        children = [ProgramState(self.backend, _parent=self) for _ in range(n)]  # text_iter shows the parent
         self.children += children
         return ForkGroup(children, self)
 
@@ -498,7 +497,7 @@ def _backend(backend: Backend | None) -> Backend:
     return chosen
 
 
-class SglFunction:
+class ProgramFunction:
     """A program: ``fn.run(**kwargs)``, ``fn.run_batch([kwargs, ...])``."""
 
     def __init__(self, fn: Callable):
@@ -575,6 +574,6 @@ class SglFunction:
         return states
 
 
-def function(fn: Callable) -> SglFunction:
+def function(fn: Callable) -> ProgramFunction:
     """Decorator: ``@function def program(s, ...)``."""
-    return SglFunction(fn)
+    return ProgramFunction(fn)

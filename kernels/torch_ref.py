@@ -49,7 +49,7 @@ class TorchBackend(AttentionBackend):
             return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
         start = 0
-        masks: dict = self._masks.setdefault((sliding_window,), {})
+        masks: dict = self._masks.setdefault(sliding_window, {})
         for i, (n, total, slots) in enumerate(zip(self.qo_lens, self.seq_lens, self.kv_slots)):
             if n == total:  # nothing cached: the new K/V are the whole sequence
                 ki, vi = k[start : start + n], v[start : start + n]

@@ -37,13 +37,6 @@ def engine():
         e.check_integrity()
 
 
-@pytest.fixture(autouse=True)
-def integrity_after_each_test(request):
-    yield
-    if "engine" in request.fixturenames:
-        request.getfixturevalue("engine").check_integrity()
-
-
 @pytest.fixture(scope="module")
 def reference(engine):
     """Each prompt alone, prefix cache off: the tokens everything else must reproduce."""

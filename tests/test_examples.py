@@ -31,8 +31,7 @@ def engine():
 @pytest.fixture
 def backend(engine):
     engine.flush_cache()
-    yield EngineBackend(engine)
-    engine.check_integrity()
+    return EngineBackend(engine)
 
 
 def test_multi_turn_example(backend, capsys):

@@ -40,13 +40,6 @@ def backend(engine):
     return EngineBackend(engine)
 
 
-@pytest.fixture(autouse=True)
-def integrity_after_each_test(request):
-    yield
-    if "engine" in request.fixturenames:
-        request.getfixturevalue("engine").check_integrity()
-
-
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     log = tmp_path_factory.mktemp("frontend-server") / "server.log"

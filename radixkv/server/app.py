@@ -384,12 +384,11 @@ class Server:
         outs = [s.output for s in streams]
         for out in outs:
             self.metrics.finished(endpoint, out, ns)
-        failed = [out for out in outs if out.error is not None or out.finish_reason == "abort"]
-        if failed:
-            try:
-                self._check_output(failed[0])
-            except P.ApiError as e:
-                return await http.error(e)
+        try:
+            for out in outs:
+                self._check_output(out)
+        except P.ApiError as e:
+            return await http.error(e)
         if req.stream_options is not None and req.stream_options.include_usage:
             await http.event(P.encode(usage_body(_usage(outs))))
         await http.event(b"[DONE]")
@@ -466,8 +465,6 @@ class Server:
         param = "text" if req.text is not None else "input_ids"
         ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param)
         fields = dict(req.sampling_params)
-        if "max_new_tokens" in fields:
-            self._max_tokens(fields["max_new_tokens"], len(ids), "sampling_params.max_new_tokens")
         params = P.sampling_params(fields, prefix="sampling_params.")
         self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens")
         ns = self._namespace(http, req.cache_salt)
