@@ -32,6 +32,12 @@ def _triton() -> AttentionBackend:
     return TritonBackend()
 
 
+def _cpu() -> AttentionBackend:
+    from radixkv.kernels.cpu_backend import CpuBackend
+
+    return CpuBackend()
+
+
 def _flashinfer() -> AttentionBackend:
     from radixkv.kernels.flashinfer_backend import FlashInferBackend
 
@@ -39,20 +45,21 @@ def _flashinfer() -> AttentionBackend:
 
 
 def _auto() -> AttentionBackend:
-    """FlashInfer when it imports and CUDA is there, else Triton on CUDA, else torch."""
+    """FlashInfer when it imports and CUDA is there, else Triton on CUDA; without CUDA
+    the C decode kernel when it builds, else torch."""
     import torch
 
-    if torch.cuda.is_available():
-        for factory in (_flashinfer, _triton):
-            try:
-                return factory()
-            except ImportError:
-                continue
+    for factory in (_flashinfer, _triton) if torch.cuda.is_available() else (_cpu,):
+        try:
+            return factory()
+        except ImportError:
+            continue
     return _torch()
 
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch": _torch,
+    "cpu": _cpu,
     "triton": _triton,
     "flashinfer": _flashinfer,
     "auto": _auto,

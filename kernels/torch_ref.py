@@ -28,29 +28,47 @@ class TorchBackend(AttentionBackend):
         self.out_slots = batch.out_slots
         self._masks: dict = {}  # sliding window -> sequence index -> mask, filled by the first layer
         self.decode = len(self.qo_lens) > 1 and all(n == 1 for n in self.qo_lens)
-        if self.decode:
-            longest = max(self.seq_lens)
-            pad = torch.empty(len(self.seq_lens), longest, dtype=torch.int64, device=device)
-            for i, s in enumerate(self.kv_slots):
-                pad[i, : len(s)] = s
-                pad[i, len(s) :] = s[0]  # masked out; any written slot keeps garbage (NaN) away
-            lens = torch.tensor(self.seq_lens, device=device)
-            self.pad_slots = pad
-            self.pad_pos = torch.arange(longest, device=device)[None, :]
-            self.pad_len = lens[:, None]
+        self.pad_slots = None  # the padded decode tables, built by the first layer that needs them
+
+    def _pad_decode(self) -> None:
+        device = self.out_slots.device
+        longest = max(self.seq_lens)
+        pad = torch.empty(len(self.seq_lens), longest, dtype=torch.int64, device=device)
+        for i, s in enumerate(self.kv_slots):
+            pad[i, : len(s)] = s
+            pad[i, len(s) :] = s[0]  # masked out; any written slot keeps garbage (NaN) away
+        self.pad_slots = pad
+        self.pad_pos = torch.arange(longest, device=device)[None, :]
+        self.pad_len = torch.tensor(self.seq_lens, device=device)[:, None]
 
     def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, logit_softcap=None):
+        k_flat, v_flat = self.write_kv(k, v, k_cache, v_cache)
+        if self.decode:
+            if self.pad_slots is None:
+                self._pad_decode()
+            return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
+        out = torch.empty_like(q)
+        self.attend_sequences(q, k, v, k_flat, v_flat, scale, sliding_window, logit_softcap, out)
+        return out
+
+    def write_kv(self, k, v, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' K/V at ``out_slots``; the caches as ``[slots, H, D]`` views."""
         heads, dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, heads, dim)
         v_flat = v_cache.view(-1, heads, dim)
         k_flat.index_copy_(0, self.out_slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, self.out_slots, v.to(v_flat.dtype))
-        if self.decode:
-            return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
-        out = torch.empty_like(q)
+        return k_flat, v_flat
+
+    def attend_sequences(self, q, k, v, k_flat, v_flat, scale, sliding_window, logit_softcap, out,
+                         skip: frozenset[int] = frozenset()) -> None:  # fmt: skip
+        """Attention sequence by sequence into ``out``, leaving the sequences in ``skip``."""
         start = 0
         masks: dict = self._masks.setdefault(sliding_window, {})
         for i, (n, total, slots) in enumerate(zip(self.qo_lens, self.seq_lens, self.kv_slots)):
+            if i in skip:
+                start += n
+                continue
             if n == total:  # nothing cached: the new K/V are the whole sequence
                 ki, vi = k[start : start + n], v[start : start + n]
             else:
@@ -75,7 +93,6 @@ class TorchBackend(AttentionBackend):
                     oi = _attend(qi, ki, vi, mask, scale, logit_softcap)
             out[start : start + n] = oi[0].transpose(0, 1)
             start += n
-        return out
 
     def _decode(self, q, k_flat, v_flat, scale, sliding_window, logit_softcap):
         shape = (*self.pad_slots.shape, *k_flat.shape[1:])

@@ -66,10 +66,15 @@ CASES = [
 def available(name):
     if name == "triton":
         pytest.importorskip("triton")
+    if name == "cpu":
+        try:
+            get_backend("cpu")
+        except ImportError as e:  # no C compiler on this machine
+            pytest.skip(str(e))
     return name
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("lens, prefixes", CASES)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
@@ -90,7 +95,7 @@ def test_backend_matches_dense_reference(backend, lens, prefixes, page_size, hq,
     assert torch.equal(v_cache.view(-1, hkv, 16)[batch.out_slots], v)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("lens, prefixes", [([1, 5, 37], [30, 3, 20]), ([1, 1, 1], [30, 3, 20])])
 def test_sliding_window_and_softcap(backend, lens, prefixes):
     batch, q, k, v, k_cache, v_cache, dense_k, dense_v = random_case(3, lens, prefixes, 4, 6, 2, torch.float32)
