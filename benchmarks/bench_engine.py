@@ -1,8 +1,10 @@
 """Engine benchmark: batched decode throughput, multi-turn chat TTFT with the prefix
 cache on and off, and how the engine thread's step time splits.
 
-Everything runs on the CPU in one process: SmolLM2-135M-Instruct in float32, the torch
-attention backend, page size 16, one engine at a time.
+Everything runs on the CPU in one process: SmolLM2-135M-Instruct in float32, the
+engine's default attention backend (``auto``: on a CPU the ``cpu`` backend, whose C
+kernel does the decode rows; ``--attention-backend torch`` for the reference), page
+size 16, one engine at a time.
 
 1. Batch-16 decode. 16 distinct seeded-random 128-token prompts go in together through
    ``Engine.generate`` (greedy, 64 new tokens, ``ignore_eos``); fresh prompts and an
@@ -43,7 +45,8 @@ attention backend, page size 16, one engine at a time.
    and 2 (a few microseconds per step) and their sums are reported per workload. Every
    engine first runs one untimed batch of the part-1 shape.
 
-    .venv/bin/python benchmarks/bench_engine.py [--quick] [--json benchmarks/out/bench_engine.json]
+    .venv/bin/python benchmarks/bench_engine.py [--quick] [--attention-backend auto]
+        [--json benchmarks/out/bench_engine.json]
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ from radixkv.engine.sampling import SamplingParams  # noqa: E402
 from radixkv.model import resolve_model  # noqa: E402
 
 TARGETS = {"decode_tok_s": 130, "ttft_off_on_turns_2_plus": 5.0, "tree_scheduler_pct": 5.0}
-ENGINE = {"attention_backend": "torch", "kv_cache_tokens": 16384, "page_size": 16}
+ENGINE = {"attention_backend": "auto", "kv_cache_tokens": 16384, "page_size": 16}
 DOC_MODULES = ("argparse", "collections", "functools", "inspect", "itertools", "json", "os", "pathlib",
                "shutil", "statistics", "string", "textwrap", "threading")  # fmt: skip
 ASK = "Explain this in plain words: "
@@ -373,7 +376,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens, turns and repeats")
     ap.add_argument("--json", default="benchmarks/out/bench_engine.json")
     ap.add_argument("--system-tokens", type=int, help="length of the chat's shared system message (0: none)")
+    ap.add_argument("--attention-backend", default=ENGINE["attention_backend"], help="auto, cpu or torch")
     args = ap.parse_args()
+    ENGINE["attention_backend"] = args.attention_backend
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     s = QUICK if args.quick else FULL
     if args.system_tokens is not None:
@@ -381,6 +386,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     engine, profiler = start_engine(s, rng, enable_prefix_cache=True)
+    backend = engine.backend.name
     texts = user_messages(engine, s.conversations * s.turns, rng)
     messages = [texts[i * s.turns : (i + 1) * s.turns] for i in range(s.conversations)]
     decode = bench_decode(engine, profiler, s, rng)
@@ -395,7 +401,7 @@ def main() -> None:
     split["chat, cache off"] = profiler.split()
     engine.close()
 
-    print(f"SmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), torch attention backend, page size 16")
+    print(f"SmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {backend} attention backend, page size 16")
     report_decode(s, decode)
     rows_chat, ratio, same = report_chat(s, chat)
     overhead = report_split(split)
@@ -407,7 +413,8 @@ def main() -> None:
             "chat": {"turns": rows_chat, "turns_2_plus_mean_ttft_off_on": ratio, "answers_identical": same},
             "step_split": {name: {**v, "tree_scheduler_batch_pct": overhead[name]} for name, v in split.items()},
         },
-        torch=torch.__version__, threads=torch.get_num_threads(), engine=ENGINE, settings=asdict(s), targets=TARGETS,
+        torch=torch.__version__, threads=torch.get_num_threads(), engine={**ENGINE, "backend": backend},
+        settings=asdict(s), targets=TARGETS,
     )  # fmt: skip
 
 

@@ -8,7 +8,10 @@ the CPU, in the same process, one after the other:
 - decode: 16 sequences with 128-token prompts, then 32 greedy steps of one token each,
   radixkv through its paged pool, transformers through its KV cache.
 
-    .venv/bin/python benchmarks/bench_model.py [--json benchmarks/out/bench_model.json]
+radixkv uses the attention backend ``auto`` picks (on a CPU with a C compiler: ``cpu``);
+``--attention-backend torch`` measures the reference backend instead.
+
+    .venv/bin/python benchmarks/bench_model.py [--attention-backend auto] [--json benchmarks/out/bench_model.json]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import transformers_decode_seconds, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
+from radixkv.kernels import get_backend  # noqa: E402
 from radixkv.model import load_model, resolve_model  # noqa: E402
 
 PREFILL = 512
@@ -46,21 +50,21 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def bench_radixkv(prompt, prompts, repeat):
+def bench_radixkv(prompt, prompts, repeat, backend):
     model = load_model()
     c = model.config
     pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=4096))
     table = pool.alloc(-(-PREFILL // 16))
-    prefill = timed(lambda: model.forward(ForwardBatch.build([SeqInput(prompt, 0, table)], 16), pool), repeat)
+    prefill = timed(lambda: model.forward(ForwardBatch.build([SeqInput(prompt, 0, table)], 16), pool, backend), repeat)
 
     def decode():
         tables = [pool.alloc(-(-(CONTEXT + STEPS) // 16)) for _ in prompts]
-        logits = model.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool)
+        logits = model.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool, backend)
         tokens = logits.argmax(-1).tolist()
         t0 = time.perf_counter()
         for step in range(STEPS):
             seqs = [SeqInput([tok], CONTEXT + step, t) for tok, t in zip(tokens, tables)]
-            tokens = model.forward(ForwardBatch.build(seqs, 16), pool).argmax(-1).tolist()
+            tokens = model.forward(ForwardBatch.build(seqs, 16), pool, backend).argmax(-1).tolist()
         elapsed = time.perf_counter() - t0
         pool.decref(np.concatenate(tables))
         return elapsed
@@ -70,7 +74,7 @@ def bench_radixkv(prompt, prompts, repeat):
     return prefill, step_time
 
 
-def bench_transformers(prompt, prompts, repeat):
+def bench_transformers(prompt, prompts, repeat, backend=None):
     import transformers
 
     src = resolve_model()
@@ -93,7 +97,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="benchmarks/out/bench_model.json")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--attention-backend", default="auto", help="radixkv's attention backend: auto, cpu or torch")
     args = ap.parse_args()
+    backend = get_backend(args.attention_backend)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 49152, PREFILL).tolist()
@@ -101,10 +107,11 @@ def main() -> None:
 
     rows = {}
     for name, fn in (("radixkv", bench_radixkv), ("transformers", bench_transformers)):
-        prefill, decode = fn(prompt, prompts, args.repeat)
+        prefill, decode = fn(prompt, prompts, args.repeat, backend)
         rows[name] = {"prefill_tok_s": PREFILL / prefill, "decode_tok_s": BATCH * STEPS / decode}
 
-    print(f"SmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), median of {args.repeat}")
+    print(f"SmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), radixkv attention backend "
+          f"{backend.name}, median of {args.repeat}")  # fmt: skip
     print(f"{'system':<14}{'prefill 512 tok/s':>19}{'decode b16 tok/s':>18}")
     for name, r in rows.items():
         print(f"{name:<14}{r['prefill_tok_s']:>19.0f}{r['decode_tok_s']:>18.1f}")
@@ -114,7 +121,7 @@ def main() -> None:
           f"{ours['decode_tok_s'] / theirs['decode_tok_s']:>17.2f}x")  # fmt: skip
 
     write_result(
-        args.json, rows, torch=torch.__version__, threads=torch.get_num_threads(), prefill_tokens=PREFILL,
+        args.json, rows, torch=torch.__version__, threads=torch.get_num_threads(), backend=backend.name, prefill_tokens=PREFILL,
         decode={"batch": BATCH, "context": CONTEXT, "steps": STEPS}, targets=TARGETS,
     )  # fmt: skip
 
