@@ -12,15 +12,17 @@
  *   seq_lens     [n]                tokens in the cache for sequence i, the new one included
  * Query head j uses KV head j / (hq / hkv), as GQA's repeat_interleave does.
  *
- * One task per sequence, three passes over its context: scores of every query head
- * against each K row (a row holds all KV heads, so it is read once), softmax per head,
- * then the probability-weighted sum of V rows. window > 0 keeps the last `window`
- * positions; softcap > 0 maps each score s to softcap * tanh(s / softcap). Rows come
- * from scattered pages, so each pass prefetches the row AHEAD tokens on.
+ * One task per sequence (or per range of its context when there are few sequences),
+ * three passes over its positions: scores of every query head against each K row (a row
+ * holds all KV heads, so it is read once), exponentials per head, then the weighted sum
+ * of V rows; ranges are merged by their maxima and sums at the end. window > 0 keeps the
+ * last `window` positions; softcap > 0 maps each score s to softcap * tanh(s / softcap).
+ * Rows come from scattered pages, so each pass prefetches the row AHEAD tokens on.
  */
 
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #define AHEAD 4
@@ -89,19 +91,21 @@ INLINE const float *row_of(const float *cache, const int32_t *pages, int64_t t, 
     return cache + ((int64_t)pages[t / page_size] * page_size + t % page_size) * row;
 }
 
-/* One sequence's attention over positions [first, len); scores is [hq][len - first] scratch. */
-INLINE void attend_one(const float *qi, const float *k_cache, const float *v_cache, const int32_t *pages,
-                       int64_t first, int64_t len, float *scores, float *oi, int64_t hq, int64_t hkv,
-                       int64_t d, int64_t page_size, float scale, float softcap) {
-    const int64_t group = hq / hkv, row = hkv * d, span = len - first;
-    for (int64_t t = first; t < len; t++) {
-        prefetch_row(k_cache, pages, t + AHEAD, len, page_size, row);
+/* Sequence i's query heads against positions [from, to) of its context, unnormalized:
+ * per head j, m[j] = the largest score, l[j] = sum of exp(score - m[j]) and
+ * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. */
+INLINE void attend_part(const float *qi, const float *k_cache, const float *v_cache, const int32_t *pages,
+                        int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
+                        int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap) {
+    const int64_t group = hq / hkv, row = hkv * d, span = to - from;
+    for (int64_t t = from; t < to; t++) {
+        prefetch_row(k_cache, pages, t + AHEAD, to, page_size, row);
         const float *kr = row_of(k_cache, pages, t, page_size, row);
         for (int64_t h = 0, j = 0; h < hkv; h++)
             for (int64_t g = 0; g < group; g++, j++) {
                 float s = dot(qi + j * d, kr + h * d, d) * scale;
                 if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                scores[j * span + (t - first)] = s;
+                scores[j * span + (t - from)] = s;
             }
     }
     for (int64_t j = 0; j < hq; j++) {
@@ -114,19 +118,19 @@ INLINE void attend_one(const float *qi, const float *k_cache, const float *v_cac
             sj[u] = exp_nonpositive(sj[u] - top);
             total += sj[u];
         }
-        const float inv = 1.0f / total;
-        for (int64_t u = 0; u < span; u++) sj[u] *= inv;
-        for (int64_t e = 0; e < d; e++) oi[j * d + e] = 0.0f;
+        m[j] = top;
+        l[j] = total;
+        for (int64_t e = 0; e < d; e++) acc[j * d + e] = 0.0f;
     }
-    for (int64_t t = first; t < len; t++) {
-        prefetch_row(v_cache, pages, t + AHEAD, len, page_size, row);
+    for (int64_t t = from; t < to; t++) {
+        prefetch_row(v_cache, pages, t + AHEAD, to, page_size, row);
         const float *vr = row_of(v_cache, pages, t, page_size, row);
         for (int64_t h = 0, j = 0; h < hkv; h++)
             for (int64_t g = 0; g < group; g++, j++) {
-                const float p = scores[j * span + (t - first)];
+                const float p = scores[j * span + (t - from)];
                 const float *vh = vr + h * d;
-                float *oj = oi + j * d;
-                for (int64_t e = 0; e < d; e++) oj[e] += p * vh[e];
+                float *aj = acc + j * d;
+                for (int64_t e = 0; e < d; e++) aj[e] += p * vh[e];
             }
     }
 }
@@ -135,28 +139,64 @@ int radixkv_paged_decode(const float *q, const float *k_cache, const float *v_ca
                          const int64_t *rows, const int32_t *kv_starts, const int32_t *kv_indices,
                          const int32_t *seq_lens, float *out, int64_t n, int64_t hq, int64_t hkv,
                          int64_t d, int64_t page_size, float scale, int64_t window, float softcap) {
+    /* Fewer sequences than twice the threads: split each context into `parts` ranges, so
+     * that one long sequence still keeps every thread reading (a thread streams its own
+     * contiguous range; splitting by KV head instead measured slower). */
+    const int64_t threads = omp_get_max_threads();
+    const int64_t parts = n >= 2 * threads ? 1 : (2 * threads + n - 1) / n;
+    const int64_t stride = hq * (d + 2); /* one part's acc [hq][d], m [hq], l [hq] */
+    float *partial = malloc(sizeof(float) * (size_t)(n * parts * stride));
+    if (partial == NULL) return -1;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t task = 0; task < n * parts; task++) {
+        const int64_t i = task / parts, part = task % parts;
         const int64_t len = seq_lens[i];
         const int64_t first = (window > 0 && len > window) ? len - window : 0;
-        float *scores = malloc(sizeof(float) * (size_t)(hq * (len - first)));
+        const int64_t from = first + (len - first) * part / parts, to = first + (len - first) * (part + 1) / parts;
+        float *acc = partial + task * stride, *m = acc + hq * d, *l = m + hq;
+        if (from == to) { /* a range too short to split: contributes nothing */
+            for (int64_t j = 0; j < hq; j++) l[j] = 0.0f;
+            continue;
+        }
+        float *scores = malloc(sizeof(float) * (size_t)(hq * (to - from)));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
         const float *qi = q + rows[i] * hq * d;
-        float *oi = out + rows[i] * hq * d;
         const int32_t *pages = kv_indices + kv_starts[i];
         /* the common head sizes as constants, so the loops over d unroll into whole vectors */
         if (d == 64)
-            attend_one(qi, k_cache, v_cache, pages, first, len, scores, oi, hq, hkv, 64, page_size, scale, softcap);
+            attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, 64, page_size, scale, softcap);
         else if (d == 128)
-            attend_one(qi, k_cache, v_cache, pages, first, len, scores, oi, hq, hkv, 128, page_size, scale, softcap);
+            attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, 128, page_size, scale, softcap);
         else
-            attend_one(qi, k_cache, v_cache, pages, first, len, scores, oi, hq, hkv, d, page_size, scale, softcap);
+            attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, d, page_size, scale, softcap);
         free(scores);
     }
+    /* each head's output: its parts rescaled to the largest max, summed, divided by the total weight */
+    for (int64_t i = 0; i < n && !failed; i++)
+        for (int64_t j = 0; j < hq; j++) {
+            const float *base = partial + i * parts * stride;
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t p = 0; p < parts; p++) {
+                const float *m = base + p * stride + hq * d, *l = m + hq;
+                if (l[j] > 0.0f && m[j] > top) top = m[j];
+            }
+            float *oj = out + (rows[i] * hq + j) * d;
+            for (int64_t e = 0; e < d; e++) oj[e] = 0.0f;
+            for (int64_t p = 0; p < parts; p++) {
+                const float *acc = base + p * stride, *m = acc + hq * d, *l = m + hq;
+                if (l[j] == 0.0f) continue;
+                const float w = parts == 1 ? 1.0f : expf(m[j] - top);
+                total += w * l[j];
+                for (int64_t e = 0; e < d; e++) oj[e] += w * acc[j * d + e];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t e = 0; e < d; e++) oj[e] *= inv;
+        }
+    free(partial);
     return failed ? -1 : 0;
 }

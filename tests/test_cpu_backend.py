@@ -39,10 +39,11 @@ def test_decode_matches_dense_reference(cpu, dim, hq, hkv, page_size):
     check_against_dense(cpu, case, lens)
 
 
-def test_long_context_window_and_softcap(cpu):
-    lens, prefixes = [1, 1], [3000, 40]
+@pytest.mark.parametrize("prefixes", [[3000], [3000, 40]])  # few sequences: contexts split into ranges
+def test_long_context_window_and_softcap(cpu, prefixes):
+    lens = [1] * len(prefixes)
     case = random_case(5, lens, prefixes, 16, 9, 3, torch.float32, dim=64)
-    for window, softcap in [(None, None), (100, None), (None, 30.0), (7, 2.0)]:
+    for window, softcap in [(None, None), (100, None), (None, 30.0), (7, 2.0), (1, None)]:
         check_against_dense(cpu, case, lens, window=window, softcap=softcap)
 
 
