@@ -5,7 +5,8 @@ Systems, one at a time on the machine, each running every workload through the
 frontend (``run_batch`` with the workload's client threads, so requests arrive
 concurrently the way a program sends them):
 
-    radixkv            `radixkv serve` (a separate process), RuntimeEndpoint client
+    radixkv            `radixkv serve` (a separate process, default attention backend: on
+                       a CPU the C decode kernel), RuntimeEndpoint client
     radixkv no-cache   the same with --no-enable-prefix-cache
     transformers       HF transformers in this process, request by request (benchmarks/peers)
     llama.cpp          llama-cpp-python's OpenAI server on the same GGUF, if installed
@@ -103,7 +104,7 @@ class Served:
         from radixkv.frontend import RuntimeEndpoint
         from radixkv.server.process import ServerProcess
 
-        self.server = ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", str(KV_CACHE_TOKENS), *flags)
+        self.server = ServerProcess("--kv-cache-tokens", str(KV_CACHE_TOKENS), *flags)  # the default backend (auto)
         self.backend = RuntimeEndpoint(self.server.url)
 
     def reset(self) -> None:
