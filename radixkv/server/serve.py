@@ -12,6 +12,7 @@ import logging
 import signal
 
 from radixkv.engine.engine import EngineConfig
+from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
 
 HELP = {
@@ -21,7 +22,7 @@ HELP = {
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and KV dtype: float32, bfloat16, float16",
-    "attention_backend": "torch, triton, flashinfer or auto",
+    "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
     "chunked_prefill_size": "longest prefill chunk in tokens; 0 prefills whole prompts",
