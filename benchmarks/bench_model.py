@@ -74,7 +74,7 @@ def bench_radixkv(prompt, prompts, repeat, backend):
     return prefill, step_time
 
 
-def bench_transformers(prompt, prompts, repeat, backend=None):
+def bench_transformers(prompt, prompts, repeat):
     import transformers
 
     src = resolve_model()
@@ -106,8 +106,12 @@ def main() -> None:
     prompts = rng.integers(0, 49152, (BATCH, CONTEXT)).tolist()
 
     rows = {}
-    for name, fn in (("radixkv", bench_radixkv), ("transformers", bench_transformers)):
-        prefill, decode = fn(prompt, prompts, args.repeat, backend)
+    runs = {
+        "radixkv": lambda: bench_radixkv(prompt, prompts, args.repeat, backend),
+        "transformers": lambda: bench_transformers(prompt, prompts, args.repeat),
+    }
+    for name, run in runs.items():
+        prefill, decode = run()
         rows[name] = {"prefill_tok_s": PREFILL / prefill, "decode_tok_s": BATCH * STEPS / decode}
 
     print(f"SmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), radixkv attention backend "

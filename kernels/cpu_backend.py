@@ -70,18 +70,14 @@ def load_library() -> ctypes.CDLL:
     global _library
     with _lock:
         if _library is None:
-            _library = _build_and_load()
+            try:
+                _library = _build_and_load()
+            except OSError as e:  # an unwritable cache directory, a library that will not load
+                raise ImportError(f"the cpu attention backend is unavailable: {e}") from e
         return _library
 
 
 def _build_and_load() -> ctypes.CDLL:
-    try:
-        return _build_and_load_or_raise()
-    except OSError as e:  # an unwritable cache directory, a library that will not load
-        raise ImportError(f"the cpu attention backend is unavailable: {e}") from e
-
-
-def _build_and_load_or_raise() -> ctypes.CDLL:
     cc = _compiler()
     source = SOURCE.read_bytes()
     try:
@@ -141,7 +137,7 @@ class CpuBackend(TorchBackend):
             q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, sliding_window or 0, logit_softcap or 0.0,
         )  # fmt: skip
         if status != 0:
-            raise MemoryError("cpu decode attention could not allocate its score buffer")
+            raise MemoryError("cpu decode attention could not allocate its scratch buffers")
         return out
 
 

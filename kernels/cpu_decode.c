@@ -80,15 +80,15 @@ INLINE float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-/* ask for the cache lines of token t's row before they are needed */
-INLINE void prefetch_row(const float *cache, const int32_t *pages, int64_t t, int64_t len, int64_t page_size, int64_t row) {
-    if (t >= len) return;
-    const float *r = cache + ((int64_t)pages[t / page_size] * page_size + t % page_size) * row;
-    for (int64_t e = 0; e < row; e += 16) __builtin_prefetch(r + e);
-}
-
 INLINE const float *row_of(const float *cache, const int32_t *pages, int64_t t, int64_t page_size, int64_t row) {
     return cache + ((int64_t)pages[t / page_size] * page_size + t % page_size) * row;
+}
+
+/* ask for the cache lines of token t's row before they are needed (none past `end`) */
+INLINE void prefetch_row(const float *cache, const int32_t *pages, int64_t t, int64_t end, int64_t page_size, int64_t row) {
+    if (t >= end) return;
+    const float *r = row_of(cache, pages, t, page_size, row);
+    for (int64_t e = 0; e < row; e += 16) __builtin_prefetch(r + e);
 }
 
 /* Sequence i's query heads against positions [from, to) of its context, unnormalized:

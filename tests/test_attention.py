@@ -54,6 +54,23 @@ def random_case(seed, lens, prefixes, page_size, hq, hkv, dtype, dim=16):
     return batch, q, k_new, v_new, k_cache, v_cache, dense_k, dense_v
 
 
+def check_against_dense(impl, case, lens, scale, window=None, softcap=None, tol=2e-5):
+    """Plan and run ``impl`` on a ``random_case``; every sequence's output within ``tol`` of
+    the dense reference, and the new K/V stored at ``out_slots``. Returns the output."""
+    batch, q, k, v, k_cache, v_cache, dense_k, dense_v = case
+    impl.plan(batch)
+    out = impl.forward(q, k, v, k_cache, v_cache, scale, sliding_window=window, logit_softcap=softcap)
+    start = 0
+    for n, kd, vd in zip(lens, dense_k, dense_v):
+        ref = dense_reference(q[start : start + n], kd, vd, n, scale, window, softcap)
+        assert (out[start : start + n].double() - ref).abs().max() < tol
+        start += n
+    hkv, dim = k.shape[1], k.shape[2]
+    assert torch.equal(k_cache.view(-1, hkv, dim)[batch.out_slots], k)
+    assert torch.equal(v_cache.view(-1, hkv, dim)[batch.out_slots], v)
+    return out
+
+
 CASES = [
     # lens, prefixes
     ([1, 5, 37, 130], [0, 3, 100, 17]),
@@ -80,34 +97,18 @@ def available(name):
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 3e-3)])
 def test_backend_matches_dense_reference(backend, lens, prefixes, page_size, hq, hkv, dtype, tol):
-    batch, q, k, v, k_cache, v_cache, dense_k, dense_v = random_case(7, lens, prefixes, page_size, hq, hkv, dtype)
-    impl = get_backend(available(backend))
-    impl.plan(batch)
-    out = impl.forward(q, k, v, k_cache, v_cache, scale=0.25)
-    assert out.shape == q.shape and out.dtype == dtype
-    start = 0
-    for n, kd, vd in zip(lens, dense_k, dense_v):
-        ref = dense_reference(q[start : start + n], kd, vd, n, 0.25)
-        assert (out[start : start + n].double() - ref).abs().max() < tol
-        start += n
-    # the new K/V landed in the pool at out_slots
-    assert torch.equal(k_cache.view(-1, hkv, 16)[batch.out_slots], k)
-    assert torch.equal(v_cache.view(-1, hkv, 16)[batch.out_slots], v)
+    case = random_case(7, lens, prefixes, page_size, hq, hkv, dtype)
+    out = check_against_dense(get_backend(available(backend)), case, lens, scale=0.25, tol=tol)
+    assert out.shape == case[1].shape and out.dtype == dtype
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("lens, prefixes", [([1, 5, 37], [30, 3, 20]), ([1, 1, 1], [30, 3, 20])])
 def test_sliding_window_and_softcap(backend, lens, prefixes):
-    batch, q, k, v, k_cache, v_cache, dense_k, dense_v = random_case(3, lens, prefixes, 4, 6, 2, torch.float32)
+    case = random_case(3, lens, prefixes, 4, 6, 2, torch.float32)
     impl = get_backend(available(backend))
-    impl.plan(batch)
     for window, softcap in [(8, None), (None, 5.0), (8, 5.0)]:
-        out = impl.forward(q, k, v, k_cache, v_cache, 0.25, sliding_window=window, logit_softcap=softcap)
-        start = 0
-        for n, kd, vd in zip(lens, dense_k, dense_v):
-            ref = dense_reference(q[start : start + n], kd, vd, n, 0.25, window, softcap)
-            assert (out[start : start + n].double() - ref).abs().max() < 2e-5
-            start += n
+        check_against_dense(impl, case, lens, scale=0.25, window=window, softcap=softcap)
 
 
 def test_unknown_backend_names_the_choices():

@@ -2,10 +2,21 @@
 
 import pytest
 import torch
-from test_attention import dense_reference, random_case
+from test_attention import check_against_dense, random_case
 
 from radixkv.kernels import cpu_backend, get_backend
 from radixkv.kernels.torch_ref import TorchBackend
+
+
+def _has_compiler():
+    try:
+        cpu_backend._compiler()
+        return True
+    except ImportError:
+        return False
+
+
+needs_compiler = pytest.mark.skipif(not _has_compiler(), reason="no C compiler")
 
 
 @pytest.fixture(scope="module")
@@ -16,27 +27,13 @@ def cpu():
         pytest.skip(str(e))
 
 
-def check_against_dense(impl, case, lens, scale=0.125, window=None, softcap=None, tol=2e-5):
-    batch, q, k, v, k_cache, v_cache, dense_k, dense_v = case
-    impl.plan(batch)
-    out = impl.forward(q, k, v, k_cache, v_cache, scale, sliding_window=window, logit_softcap=softcap)
-    start = 0
-    for n, kd, vd in zip(lens, dense_k, dense_v):
-        ref = dense_reference(q[start : start + n], kd, vd, n, scale, window, softcap)
-        assert (out[start : start + n].double() - ref).abs().max() < tol
-        start += n
-    hkv, dim = k.shape[1], k.shape[2]
-    assert torch.equal(k_cache.view(-1, hkv, dim)[batch.out_slots], k)
-    assert torch.equal(v_cache.view(-1, hkv, dim)[batch.out_slots], v)
-
-
 @pytest.mark.parametrize("dim", [64, 128, 24])  # the two compiled-in head sizes, and the generic loop
 @pytest.mark.parametrize("hq, hkv", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_matches_dense_reference(cpu, dim, hq, hkv, page_size):
     lens, prefixes = [1, 1, 1, 1], [0, 15, 16, 300]
     case = random_case(11, lens, prefixes, page_size, hq, hkv, torch.float32, dim=dim)
-    check_against_dense(cpu, case, lens)
+    check_against_dense(cpu, case, lens, scale=0.125)
 
 
 @pytest.mark.parametrize("prefixes", [[3000], [3000, 40]])  # few sequences: contexts split into ranges
@@ -44,7 +41,7 @@ def test_long_context_window_and_softcap(cpu, prefixes):
     lens = [1] * len(prefixes)
     case = random_case(5, lens, prefixes, 16, 9, 3, torch.float32, dim=64)
     for window, softcap in [(None, None), (100, None), (None, 30.0), (7, 2.0), (1, None)]:
-        check_against_dense(cpu, case, lens, window=window, softcap=softcap)
+        check_against_dense(cpu, case, lens, scale=0.125, window=window, softcap=softcap)
 
 
 def spy_on_sdpa_path(impl, monkeypatch):
@@ -62,10 +59,10 @@ def spy_on_sdpa_path(impl, monkeypatch):
 
 def test_decode_rows_go_to_the_kernel_and_the_rest_to_sdpa(cpu, monkeypatch):
     calls = spy_on_sdpa_path(cpu, monkeypatch)
-    check_against_dense(cpu, random_case(1, [1, 1, 1], [5, 40, 0], 4, 9, 3, torch.float32, dim=64), [1, 1, 1])
+    check_against_dense(cpu, random_case(1, [1, 1, 1], [5, 40, 0], 4, 9, 3, torch.float32, dim=64), [1, 1, 1], 0.125)
     assert calls == []  # a pure decode batch never reaches SDPA
     lens = [1, 12, 1, 30]
-    check_against_dense(cpu, random_case(2, lens, [50, 7, 3, 0], 4, 9, 3, torch.float32, dim=64), lens)
+    check_against_dense(cpu, random_case(2, lens, [50, 7, 3, 0], 4, 9, 3, torch.float32, dim=64), lens, 0.125)
     assert calls == [frozenset({0, 2})]  # the two decode rows skipped there, computed by the kernel
 
 
@@ -80,14 +77,6 @@ def test_half_precision_cache_uses_the_reference_path(cpu):
     assert torch.equal(cpu.forward(q, k, v, k_cache, v_cache, 0.125), expected)
 
 
-def _has_compiler():
-    try:
-        cpu_backend._compiler()
-        return True
-    except ImportError:
-        return False
-
-
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """No library loaded yet in this process, and an empty cache directory."""
@@ -96,9 +85,8 @@ def fresh_build(monkeypatch, tmp_path):
     return tmp_path
 
 
+@needs_compiler
 def test_the_build_is_cached_by_source(fresh_build, monkeypatch):
-    if not _has_compiler():
-        pytest.skip("no C compiler")
     cpu_backend.load_library()
     built = sorted(fresh_build.glob("cpu_decode-*.so"))
     assert len(built) == 1 and not list(fresh_build.glob("*.tmp*"))
@@ -113,9 +101,8 @@ def test_the_build_is_cached_by_source(fresh_build, monkeypatch):
     assert len(list(fresh_build.glob("cpu_decode-*.so"))) == 2
 
 
+@needs_compiler
 def test_a_failed_build_raises_importerror_and_auto_falls_back(fresh_build, monkeypatch):
-    if not _has_compiler():
-        pytest.skip("no C compiler")
     broken = fresh_build / "broken.c"
     broken.write_text("int radixkv_paged_decode( {\n")
     monkeypatch.setattr(cpu_backend, "SOURCE", broken)
@@ -135,15 +122,15 @@ def test_no_compiler_raises_importerror_and_auto_falls_back(fresh_build, monkeyp
         assert get_backend("auto").name == "torch"
 
 
+@needs_compiler
 def test_auto_picks_the_kernel_on_a_cpu_machine():
-    if torch.cuda.is_available() or not _has_compiler():
-        pytest.skip("a CPU-only machine with a C compiler")
+    if torch.cuda.is_available():
+        pytest.skip("auto picks a GPU backend where CUDA is there")
     assert get_backend("auto").name == "cpu"
 
 
+@needs_compiler
 def test_an_unwritable_cache_directory_raises_importerror(fresh_build, monkeypatch):
-    if not _has_compiler():
-        pytest.skip("no C compiler")
     blocker = fresh_build / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("RADIXKV_CACHE_DIR", str(blocker / "cache"))  # a directory below a file
