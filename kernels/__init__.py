@@ -44,12 +44,18 @@ def _flashinfer() -> AttentionBackend:
     return FlashInferBackend()
 
 
-def _auto() -> AttentionBackend:
-    """FlashInfer when it imports and CUDA is there, else Triton on CUDA; without CUDA
-    the C decode kernel when it builds, else torch."""
+def _auto(device: str = "cpu", dtype=None) -> AttentionBackend:
+    """By where the KV lives: on CUDA, FlashInfer for half-precision KV when it imports,
+    else Triton (which also reads fp32 KV); on the CPU the C decode kernel when it
+    builds, else torch. The machine having a GPU does not matter, only ``device``."""
     import torch
 
-    for factory in (_flashinfer, _triton) if torch.cuda.is_available() else (_cpu,):
+    if str(device).startswith("cuda"):
+        half = dtype in (torch.float16, torch.bfloat16)
+        factories = (_flashinfer, _triton) if half else (_triton,)
+    else:
+        factories = (_cpu,)
+    for factory in factories:
         try:
             return factory()
         except ImportError:
@@ -66,10 +72,13 @@ BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
 }
 
 
-def get_backend(name: str = "torch") -> AttentionBackend:
-    """A fresh backend instance by name. Raises ValueError naming the known ones."""
+def get_backend(name: str = "torch", device: str = "cpu", dtype=None) -> AttentionBackend:
+    """A fresh backend instance by name. ``device`` and ``dtype`` (of the KV cache) only
+    steer ``auto``. Raises ValueError naming the known ones."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return _auto(device, dtype)
     return BACKENDS[name]()
 
 

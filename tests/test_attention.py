@@ -27,7 +27,7 @@ def dense_reference(q, k_all, v_all, n_new, scale, window=None, softcap=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def random_case(seed, lens, prefixes, page_size, hq, hkv, dtype, dim=16):
+def random_case(seed, lens, prefixes, page_size, hq, hkv, dtype, dim=16, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     alloc = PageAllocator(4096)
     num_pages = 4096
@@ -47,11 +47,12 @@ def random_case(seed, lens, prefixes, page_size, hq, hkv, dtype, dim=16):
         seqs.append(SeqInput(list(range(n)), p, pages))
         dense_k.append(kd)
         dense_v.append(vd)
-    batch = ForwardBatch.build(seqs, page_size)
+    batch = ForwardBatch.build(seqs, page_size, device)
     q = torch.randn(batch.num_tokens, hq, dim, generator=g).to(dtype)
     k_new = torch.cat([kd[p:] for kd, p in zip(dense_k, prefixes)])
     v_new = torch.cat([vd[p:] for vd, p in zip(dense_v, prefixes)])
-    return batch, q, k_new, v_new, k_cache, v_cache, dense_k, dense_v
+    on = [t.to(device) for t in (q, k_new, v_new, k_cache, v_cache)]
+    return batch, *on, dense_k, dense_v
 
 
 def check_against_dense(impl, case, lens, scale, window=None, softcap=None, tol=2e-5):
@@ -61,9 +62,10 @@ def check_against_dense(impl, case, lens, scale, window=None, softcap=None, tol=
     impl.plan(batch)
     out = impl.forward(q, k, v, k_cache, v_cache, scale, sliding_window=window, logit_softcap=softcap)
     start = 0
+    q_host, out_host = q.cpu(), out.cpu()
     for n, kd, vd in zip(lens, dense_k, dense_v):
-        ref = dense_reference(q[start : start + n], kd, vd, n, scale, window, softcap)
-        assert (out[start : start + n].double() - ref).abs().max() < tol
+        ref = dense_reference(q_host[start : start + n], kd, vd, n, scale, window, softcap)
+        assert (out_host[start : start + n].double() - ref).abs().max() < tol
         start += n
     hkv, dim = k.shape[1], k.shape[2]
     assert torch.equal(k_cache.view(-1, hkv, dim)[batch.out_slots], k)
@@ -78,6 +80,13 @@ CASES = [
     ([130], [0]),  # plain prefill
     ([7, 1], [40, 0]),
 ]
+
+
+def device_for(name):
+    """Where a backend's case lives: on the GPU when there is one (compiled Triton takes
+    only CUDA tensors; without CUDA it runs in Triton's interpreter), the C kernel on
+    the CPU."""
+    return "cuda" if torch.cuda.is_available() and name != "cpu" else "cpu"
 
 
 def available(name):
@@ -97,7 +106,7 @@ def available(name):
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 3e-3)])
 def test_backend_matches_dense_reference(backend, lens, prefixes, page_size, hq, hkv, dtype, tol):
-    case = random_case(7, lens, prefixes, page_size, hq, hkv, dtype)
+    case = random_case(7, lens, prefixes, page_size, hq, hkv, dtype, device=device_for(backend))
     out = check_against_dense(get_backend(available(backend)), case, lens, scale=0.25, tol=tol)
     assert out.shape == case[1].shape and out.dtype == dtype
 
@@ -105,10 +114,23 @@ def test_backend_matches_dense_reference(backend, lens, prefixes, page_size, hq,
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("lens, prefixes", [([1, 5, 37], [30, 3, 20]), ([1, 1, 1], [30, 3, 20])])
 def test_sliding_window_and_softcap(backend, lens, prefixes):
-    case = random_case(3, lens, prefixes, 4, 6, 2, torch.float32)
+    case = random_case(3, lens, prefixes, 4, 6, 2, torch.float32, device=device_for(backend))
     impl = get_backend(available(backend))
     for window, softcap in [(8, None), (None, 5.0), (8, 5.0)]:
         check_against_dense(impl, case, lens, scale=0.25, window=window, softcap=softcap)
+
+
+def test_auto_follows_the_kv_device_and_dtype():
+    pytest.importorskip("triton")
+    assert get_backend("auto", "cuda", torch.float32).name == "triton"  # FlashInfer reads no fp32 KV
+    try:
+        import flashinfer  # noqa: F401
+
+        half = "flashinfer"
+    except ImportError:
+        half = "triton"
+    assert get_backend("auto", "cuda:0", torch.bfloat16).name == half
+    assert get_backend("auto", "cpu", torch.bfloat16).name in ("cpu", "torch")
 
 
 def test_unknown_backend_names_the_choices():

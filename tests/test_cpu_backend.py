@@ -109,8 +109,7 @@ def test_a_failed_build_raises_importerror_and_auto_falls_back(fresh_build, monk
     with pytest.raises(ImportError, match="building broken.c failed"):
         get_backend("cpu")
     assert list(fresh_build.glob("*.so")) == []  # nothing half-built left behind
-    if not torch.cuda.is_available():
-        assert get_backend("auto").name == "torch"
+    assert get_backend("auto").name == "torch"
 
 
 def test_no_compiler_raises_importerror_and_auto_falls_back(fresh_build, monkeypatch):
@@ -118,15 +117,12 @@ def test_no_compiler_raises_importerror_and_auto_falls_back(fresh_build, monkeyp
     monkeypatch.setattr(cpu_backend.shutil, "which", lambda name: None)
     with pytest.raises(ImportError, match="needs a C compiler"):
         get_backend("cpu")
-    if not torch.cuda.is_available():
-        assert get_backend("auto").name == "torch"
+    assert get_backend("auto").name == "torch"
 
 
 @needs_compiler
-def test_auto_picks_the_kernel_on_a_cpu_machine():
-    if torch.cuda.is_available():
-        pytest.skip("auto picks a GPU backend where CUDA is there")
-    assert get_backend("auto").name == "cpu"
+def test_auto_picks_the_kernel_for_kv_on_the_cpu():
+    assert get_backend("auto").name == "cpu"  # a GPU on the machine changes nothing for CPU KV
 
 
 @needs_compiler

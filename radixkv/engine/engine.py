@@ -157,7 +157,7 @@ class Engine:
             pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
         self.pool = KVPool(PoolConfig(**pool_cfg))
         self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
-        self.backend = get_backend(cfg.attention_backend)
+        self.backend = get_backend(cfg.attention_backend, cfg.device, as_dtype(cfg.dtype))
         self.max_context = mc.max_position_embeddings
         self.scheduler = Scheduler(self.pool, self.tree, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip

@@ -1,0 +1,111 @@
+"""The engine on a CUDA GPU with each attention backend, against HF transformers on the
+same GPU. Skipped without CUDA (CI has none); run when a GPU is lent.
+
+- float32 (the exact mode): greedy tokens of the torch and triton backends equal
+  transformers' on the fidelity chats, batched and from the prefix cache alike.
+- bfloat16: FlashInfer reads only half-precision KV, so backends are compared there:
+  each one's last-token logits close to the float32 model's (cosine), and the pool
+  consistent after.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from radixkv.engine.engine import Engine  # noqa: E402
+from radixkv.engine.sampling import SamplingParams  # noqa: E402
+from radixkv.model import resolve_model  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "List three prime numbers."}, {"role": "assistant", "content": "2, 3, 5."},
+     {"role": "user", "content": "Three more?"}],
+    [{"role": "user", "content": "Explain recursion to a child in one sentence."}],
+    [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. »"}],
+]  # fmt: skip
+STEPS = 32
+
+
+def half_backends():
+    names = ["torch", "triton"]
+    try:
+        import flashinfer  # noqa: F401
+
+        names.append("flashinfer")
+    except ImportError:
+        pass
+    return names
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    with Engine(kv_cache_tokens=256) as e:  # on the CPU: only its tokenizer and template
+        return [e.tokenizer.encode(e.render_chat(c)) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    """transformers' greedy tokens on the GPU in float32 (it stops at end of turn)."""
+    src = resolve_model()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        src.path.parent, gguf_file=src.path.name, dtype=torch.float32
+    ).to("cuda").eval()  # fmt: skip
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=STEPS, do_sample=False, pad_token_id=2)
+            outs.append(out[0, len(p) :].tolist())
+    del hf
+    torch.cuda.empty_cache()
+    return outs
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_float32_greedy_equals_transformers_on_the_gpu(backend, prompts, reference):
+    greedy = SamplingParams(temperature=0, max_new_tokens=STEPS)
+    with Engine(device="cuda", dtype="float32", attention_backend=backend, kv_cache_tokens=8192) as e:
+        assert e.backend.name == backend and e.pool.k[0].is_cuda
+        first = e.generate(prompts, greedy)
+        again = e.generate(prompts, greedy)  # every prompt now comes from the prefix cache
+        e.check_integrity()
+    assert [o.error for o in first + again] == [None] * 2 * len(prompts)
+    batched = [o.token_ids for o in first]
+    assert batched == reference
+    assert [o.token_ids for o in again] == reference
+    assert all(o.cached_tokens > 0 for o in again)
+
+
+@pytest.mark.parametrize("backend", half_backends())
+def test_bfloat16_backends_stay_close_to_float32(backend, prompts):
+    from radixkv.cache import KVPool, PoolConfig
+    from radixkv.engine.batch import ForwardBatch, SeqInput
+    from radixkv.kernels import get_backend
+    from radixkv.model import load_model
+
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(dtype=dtype, device="cuda")
+        c = model.config
+        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, dtype=dtype, device="cuda", num_pages=512))
+        impl = get_backend("torch" if dtype == torch.float32 else backend)
+        tables = [pool.alloc(-(-(len(p) + 1) // 16)) for p in prompts]
+        first = model.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16, "cuda"), pool, impl)
+        nxt = first.argmax(-1).tolist() if dtype == torch.float32 else logits[torch.float32][2]
+        seqs = [SeqInput([n], len(p), t) for n, p, t in zip(nxt, prompts, tables)]
+        second = model.forward(ForwardBatch.build(seqs, 16, "cuda"), pool, impl)  # a decode step
+        logits[dtype] = (first, second, nxt)
+        for t in tables:
+            pool.decref(t)
+        pool.check_integrity()
+    for hi, lo in zip(logits[torch.float32][:2], logits[torch.bfloat16][:2]):
+        assert torch.isfinite(lo).all()
+        assert torch.nn.functional.cosine_similarity(hi, lo, dim=-1).min() > 0.99
