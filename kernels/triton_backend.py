@@ -221,15 +221,23 @@ class TritonBackend(AttentionBackend):
     each ``forward`` launches the store kernel and either decode or extend kernels."""
 
     name = "triton"
-    BLOCK_N = 16
-    BLOCK_M = 16
+    BLOCK_N = 16  # decode: context positions per loop step
+    # extend (BLOCK_M query rows, BLOCK_N context positions), warps, pipeline stages.
+    # Half-precision KV on an H100 (bench_attention's extend problem, 2026-11-22):
+    # 16x16 ran 5.08 ms, 64x64 1.34, 128x64 1.24 (4 warps, 3 stages; 8 warps were slower).
+    # fp32 KV (IEEE dots) keeps small tiles: its operands are twice the registers.
+    EXTEND_HALF = (128, 64)
+    EXTEND_FP32 = (16, 16)
+    EXTEND_WARPS = 4
+    EXTEND_STAGES = 3
     MAX_SPLITS = 16
     TOKENS_PER_SPLIT = 256  # aim: each decode program streams at least this much context
 
     def __init__(self):
         self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         if self.interpret:  # the interpreter pays per program and per loop step, not per element
-            self.BLOCK_M = self.BLOCK_N = 64
+            self.BLOCK_N = 64
+            self.EXTEND_HALF = self.EXTEND_FP32 = (64, 64)
 
     def plan(self, batch) -> None:
         self.batch = batch
@@ -272,22 +280,24 @@ class TritonBackend(AttentionBackend):
                 q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, self.seq_lens, mid_o, mid_lse,
                 scale, softcap, window, self.chunk, q.stride(0), q.stride(1), stride_cs, stride_ch,
                 BLOCK_H=_pow2(group), BLOCK_N=self.BLOCK_N, NUM_SPLITS=self.num_splits,
-                NUM_BLOCKS=self._static_blocks(self.chunk), **flags,
+                NUM_BLOCKS=self._static_blocks(self.chunk, self.BLOCK_N), **flags,
             )  # fmt: skip
             _decode_reduce[(b, hq)](
                 mid_o, mid_lse, out, out.stride(0), out.stride(1),
                 HEAD_DIM=dim, BLOCK_D=_pow2(dim), NUM_SPLITS=self.num_splits, BLOCK_S=_pow2(self.num_splits, 2),
             )  # fmt: skip
         else:
-            grid = (len(batch.qo_lens), hq, triton.cdiv(self.max_qo_len, self.BLOCK_M))
+            block_m, block_n = self.EXTEND_HALF if native else self.EXTEND_FP32
+            grid = (len(batch.qo_lens), hq, triton.cdiv(self.max_qo_len, block_m))
             _extend[grid](
                 q, out, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens,
                 scale, softcap, window,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch,
-                BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, NUM_BLOCKS=self._static_blocks(self.max_seq_len), **flags,
+                BLOCK_M=block_m, BLOCK_N=block_n, NUM_BLOCKS=self._static_blocks(self.max_seq_len, block_n), **flags,
+                num_warps=self.EXTEND_WARPS, num_stages=self.EXTEND_STAGES,
             )  # fmt: skip
         return out
 
-    def _static_blocks(self, tokens: int) -> int:
+    def _static_blocks(self, tokens: int, block: int) -> int:
         """Trip count for the interpreter's constant loops (1 when compiled: unused)."""
-        return triton.cdiv(tokens, self.BLOCK_N) if self.interpret else 1
+        return triton.cdiv(tokens, block) if self.interpret else 1
