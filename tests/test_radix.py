@@ -358,3 +358,102 @@ def test_bookkeeping_matches_leave_the_counters_alone():
     m = t.match_prefix([1, 2, 3, 4], record_stats=False)
     assert m.num_tokens == 3
     assert t.stats() == before
+
+
+def _snapshot(tree):
+    """Everything a failed call must leave as it was: counters, structure, refcounts."""
+    shape = sorted((n.namespace or "", n.path_key(), n.pages.tolist(), n.lock_ref) for n in tree.nodes())
+    return tree.stats(), shape, tree.allocator._refs.copy(), tree.allocator.num_free()
+
+
+def _assert_unchanged(tree, before):
+    stats, shape, refs, free = _snapshot(tree)
+    assert (stats, shape, free) == before[:2] + before[3:]
+    assert (refs == before[2]).all()
+
+
+def test_insert_rejects_a_page_listed_twice_and_changes_nothing():
+    a, t = make()
+    put(t, [1, 2])
+    mine = a.alloc(3)
+    before = _snapshot(t)
+    with pytest.raises(ValueError, match=r"pages .*twice.*\[2\]"):
+        t.insert([5, 6, 7], [mine[0], 2, 2])
+    with pytest.raises(ValueError, match=r"pages .*twice.*\[3\]"):
+        t.insert([1, 2, 3, 4], [0, 1, 3, 3])  # the duplicate is in the part the tree would take
+    _assert_unchanged(t, before)
+    t.check_integrity(external_refs={int(p): 1 for p in mine})
+    assert t.insert([1, 2, 3, 4], [7, 7, 3, 4]) == 2  # duplicates the tree does not take are the caller's
+    a.decref(mine)
+    t.check_integrity(external_refs={})
+
+
+def test_insert_rejects_pages_the_tree_already_holds_in_any_namespace():
+    a, t = make()
+    held, _ = put(t, [1, 2, 3, 4])  # pages 0..3, one edge
+    before = _snapshot(t)
+    with pytest.raises(ValueError, match=r"pages .*held by the tree.*\[0, 1\]"):
+        t.insert([8, 9], held[:2])
+    with pytest.raises(ValueError, match=r"pages .*held by the tree.*\[2\]"):
+        t.insert([1, 2, 9], [0, 1, 2])  # would split [1,2,3,4] and take page 2 again: no split either
+    with pytest.raises(ValueError, match=r"pages .*held by the tree.*\[0, 1, 2, 3\]"):
+        t.insert([1, 2, 3, 4], held, namespace="b")
+    for outside in ([4, 64], np.array([4, -1], dtype=np.int32)):  # checked before the map is read
+        with pytest.raises(ValueError, match=r"pages must lie in \[0, 64\)"):
+            t.insert([8, 9], outside)
+    _assert_unchanged(t, before)
+    t.check_integrity(external_refs={})
+    mine = a.alloc(1)
+    assert t.insert([1, 2, 3, 4, 5], np.concatenate([held, mine])) == 4  # a cached prefix is not "taken again"
+    a.decref(mine)
+    assert t.match_prefix([1, 2, 3, 4, 5]).pages.tolist() == [0, 1, 2, 3, 4]
+    t.check_integrity(external_refs={})
+
+
+def test_pages_freed_by_eviction_can_be_inserted_again():
+    a, t = make(num_pages=4)
+    put(t, [1, 2, 3, 4])
+    assert t.evict(4) == 4
+    table, cached = put(t, [5, 6, 7, 8])  # the same ids, now free and reallocated
+    assert cached == 0 and table.tolist() == [0, 1, 2, 3]
+    t.check_integrity(external_refs={})
+
+
+def test_emptied_namespaces_leave_no_per_namespace_state():
+    a, t = make(num_pages=256)
+    for i in range(100):
+        put(t, [i, i + 1], namespace=f"tenant-{i}")
+    put(t, [7, 7, 7])
+    assert len(t._roots) == 101
+    assert t.evict(3) == 3  # the oldest namespaces lose their only leaf
+    assert len(t._roots) == 100  # tenant-0 emptied, tenant-1 kept a page
+    t.evict(t.cached_pages)  # what /flush_cache does
+    assert t._roots == {} and t.stats().num_nodes == 0 and a.num_free() == 256
+    for i in range(100):  # lookups, and inserts shorter than a page, store nothing
+        assert t.match_prefix([i], f"other-{i}").num_tokens == 0
+    _, t2 = make(page_size=4)
+    assert t2.insert([1, 2], [0]) == 0 and t2._roots == {}
+    t.check_integrity(external_refs={})
+    root = t.root("tenant-3")  # a dropped namespace still has a root, recreated on demand
+    assert root.parent is None and not root.children
+    t.lock(root)
+    t.unlock(root)
+    table, cached = put(t, [3, 4, 5], namespace="tenant-3")
+    assert cached == 0 and t.match_prefix([3, 4, 5], "tenant-3").pages.tolist() == table.tolist()
+    assert list(t._roots) == ["tenant-3"]
+    t.check_integrity(external_refs={})
+
+
+def test_a_request_holding_a_dropped_root_finishes_normally():
+    a, t = make()
+    put(t, [1, 2], namespace="x")
+    m = t.match_prefix([9, 9], "x")  # nothing matched: the handle is x's root
+    t.lock(m.node)
+    a.incref(m.pages)
+    table = a.alloc(2)
+    assert t.evict(2) == 2 and t._roots == {}  # x's root is dropped under the request
+    assert t.insert([9, 9], table, "x") == 0  # a new root
+    t.unlock(m.node)
+    a.decref(table)
+    assert t.match_prefix([9, 9], "x").pages.tolist() == table.tolist()
+    t.check_integrity(external_refs={})

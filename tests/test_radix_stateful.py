@@ -4,10 +4,13 @@ The model is a dict from (namespace, token prefix of k whole pages) to the page 
 tree must return for that prefix's last page. It is updated from what each operation
 is specified to do (insert adds the pages it did not have; evict removes what the tree
 no longer holds, which must be unlocked tail pages), and every match is compared with
-a scan of the model.
+a scan of the model. Hostile inserts (a page the tree already holds, or one listed twice,
+among the pages the tree would take) must raise and change nothing, and the tree keeps a
+root only for the namespaces the model has pages in.
 """
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -106,6 +109,26 @@ class TreeMachine(RuleBasedStateMachine):
         tokens = self._tokens(data)
         assert self.tree.match_prefix(tokens, ns).pages.tolist() == self._expect(ns, tokens)
 
+    @rule(data=st.data(), ns=st.sampled_from([None, "t"]), twice=st.booleans())
+    def hostile_insert(self, data, ns, twice):
+        """Finish a request whose new pages reuse a page the tree holds, or list one twice."""
+        tokens = self._tokens(data)
+        whole = len(tokens) // self.page_size
+        cached = self._expect(ns, tokens[: whole * self.page_size])
+        held = sorted(set(self.model.values()))
+        new = whole - len(cached)
+        if not held:
+            twice = True
+        if new < (2 if twice else 1) or self.alloc.num_free() < new - 1:
+            return
+        mine = self.alloc.alloc(new - 1).tolist()
+        bad = data.draw(st.sampled_from(mine if twice else held))
+        taken = list(mine)
+        taken.insert(data.draw(st.integers(0, len(taken))), bad)
+        with pytest.raises(ValueError, match=rf"pages .*{'twice' if twice else 'held by the tree'}.*\[{bad}\]"):
+            self.tree.insert(tokens, cached + taken, ns)
+        self.alloc.decref(mine)  # the integrity invariant then proves that nothing changed
+
     @rule(n=st.integers(0, 12))
     def evict(self, n):
         self._evict(n, self._locked_pages())
@@ -120,6 +143,7 @@ class TreeMachine(RuleBasedStateMachine):
                 owners[p] = owners.get(p, 0) + 1
         self.tree.check_integrity(external_refs=owners)
         assert self.tree.cached_pages == len(self.model)
+        assert set(self.tree._roots) == {ns for ns, _ in self.model}  # no root for an empty namespace
 
     def teardown(self):
         if not hasattr(self, "tree"):
@@ -131,6 +155,7 @@ class TreeMachine(RuleBasedStateMachine):
             self.alloc.decref(r["table"])
         self.tree.evict(CAPACITY)
         assert self.alloc.num_free() == CAPACITY and self.tree.cached_pages == 0
+        assert self.tree._roots == {}
         self.tree.check_integrity(external_refs={})
 
 

@@ -13,7 +13,11 @@ Representation, chosen so that the hot paths run in C:
 - candidates for eviction live in a lazy heap: ``match_prefix`` and ``insert`` only
   stamp the deepest node they reach, a removed leaf folds its statistics into its
   parent, and stale heap entries are re-keyed when they surface. Walks touch each node
-  on the path once, and no operation scans the whole tree.
+  on the path once, and no operation scans the whole tree;
+- which pages the tree holds is one bool per pool page, so ``insert`` checks the pages
+  it is about to take (held already? listed twice?) in a few vectorised calls;
+- a namespace has a stored root only while it holds a node: the root goes when
+  eviction removes its last child, so tenants that come and go leave nothing behind.
 
 Tokens may be given as a list or tuple of ints, an ``array('i')``, a NumPy integer
 array or an integer tensor; ``array('i')`` and ``np.int32`` arrays convert without a
@@ -147,8 +151,8 @@ class RadixCache:
     """Prefix cache over whole KV pages, with namespaces and pluggable eviction.
 
     ``allocator`` is the page pool (``PageAllocator`` or ``KVPool``); the tree holds
-    one reference on every page it contains. Equal tokens under different
-    ``namespace`` values never share pages.
+    one reference on every page it contains, and each page at most once, whatever its
+    namespace. Equal tokens under different ``namespace`` values never share pages.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int = 1, policy: str | EvictionPolicy = "lru"):
@@ -160,7 +164,10 @@ class RadixCache:
         self.page_size = page_size
         self.policy = make_policy(policy)
         self._width = page_size * _TOKEN  # bytes per page in a key
-        self._roots: dict[object, Node] = {}
+        self._roots: dict[object, Node] = {}  # only namespaces that hold a node
+        self._held = np.zeros(allocator.num_pages, dtype=np.bool_)  # page -> in the tree
+        self._mark = np.zeros(allocator.num_pages, dtype=np.int32)  # scratch, duplicate check
+        self._positions = np.arange(0, dtype=np.int32)  # 0..n-1, grown on demand
         self._heap: list[tuple] = []
         self._seq = 0  # heap tie-breaker
         self._tick = 0  # logical clock for access statistics
@@ -189,10 +196,17 @@ class RadixCache:
         )  # fmt: skip
 
     def root(self, namespace=None) -> Node:
-        """The root of ``namespace``'s tree (created on first use)."""
+        """The root of ``namespace``'s tree. Does not mutate.
+
+        Only a namespace that holds a node keeps a stored root. For any other (never
+        used, or emptied by eviction) this returns a new empty root, linked to nothing,
+        which serves every use of a root: matching from it finds nothing, locking and
+        unlocking it do nothing, and the first ``insert`` into the namespace stores a
+        root of its own.
+        """
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = Node(b"", _EMPTY_PAGES, None, 0, namespace)
+            root = Node(b"", _EMPTY_PAGES, None, self._tick, namespace)
         return root
 
     def nodes(self) -> Iterator[Node]:
@@ -212,8 +226,10 @@ class RadixCache:
         Mutates: may split a node so that the match ends exactly at a node, stamps that
         node's access time and hit count, and (unless ``record_stats`` is False, for
         bookkeeping lookups that are not requests) adds to ``queried_tokens`` and
-        ``hit_tokens``. Nothing is locked or referenced: ``lock(match.node)`` before
-        any other call that may evict. Raises ValueError for empty or invalid tokens.
+        ``hit_tokens``. Stores nothing for a namespace that holds nothing (the match
+        ends at a new empty root, see ``root``). Nothing is locked or referenced:
+        ``lock(match.node)`` before any other call that may evict. Raises ValueError for
+        empty or invalid tokens.
         """
         key = tokens.tobytes() if type(tokens) is array and tokens.typecode == "i" else token_key(tokens)
         if not key:
@@ -260,11 +276,15 @@ class RadixCache:
 
             tokens   |== cached already ==|====== new whole pages ======|partial|
             pages    | caller's duplicates | tree increfs, keeps         | private|
+                       not checked           checked: owned, distinct,
+                                             held by no node (any namespace)
 
-        Mutates: may split a node, adds at most one leaf, stamps the leaf's access time
-        and raises its ``priority`` to at least ``priority``. Raises ValueError (with
-        the tree unchanged in content) for empty tokens, too few pages, or pages that
-        nobody owns.
+        Mutates: may split a node, adds at most one leaf (and the namespace's root
+        if it held nothing), stamps the leaf's access time and raises its ``priority``
+        to at least ``priority``. Tokens shorter than a page change nothing. Raises
+        ValueError, changing nothing, for empty tokens, too few pages, or new pages
+        that are out of range, free (nobody owns them), listed twice, or already held
+        by the tree; the message names ``pages`` and the offending ids.
         """
         key = token_key(tokens)
         if not key:
@@ -275,35 +295,77 @@ class RadixCache:
         if len(pages) < num_pages:
             raise ValueError(f"pages has {len(pages)} ids but tokens fill {num_pages} whole pages")
         end = num_pages * width
-        node = self.root(namespace)
-        pos = 0
-        while pos < end:
-            child = node.children.get(key[pos : pos + width])
-            if child is None:
-                new_pages = pages[pos // width : num_pages].copy()
-                self.allocator.incref(new_pages)
-                leaf = Node(key[pos:end], new_pages, node, self._tick, namespace)
-                node.children[key[pos : pos + width]] = leaf
-                self._num_nodes += 1
-                self.inserted_pages += len(new_pages)
-                self._push(leaf)
-                cached = pos // _TOKEN
-                node = leaf
+        if not end:
+            return 0
+        # Walk without changing anything: to the deepest node the key covers, and the
+        # edge below it (`child`) that the key leaves after `cut` of its pages.
+        root = node = self._roots.get(namespace)
+        child = None
+        cut = pos = 0
+        if root is not None:
+            children = node.children
+            while pos < end:
+                child = children.get(key[pos : pos + width])
+                if child is None:
+                    break
+                edge = child.key
+                if key.startswith(edge, pos):
+                    pos += len(edge)
+                    node = child
+                    children = node.children
+                    child = None
+                    continue
+                cut = self._common_pages(key, pos, end, edge)
                 break
-            edge = child.key
-            if key.startswith(edge, pos):
-                pos += len(edge)
-                node = child
-                continue
-            node = self._split(child, self._common_pages(key, pos, end, edge))
-            pos += len(node.key)
-        else:
-            cached = pos // _TOKEN
+        start = pos + cut * width  # where the new pages begin
+        new_pages = None
+        if start < end:
+            new_pages = pages[start // width : num_pages].copy()
+            self._check_new_pages(new_pages)
+            self.allocator.incref(new_pages)  # ValueError for free pages, changing nothing
+        # -- validated: mutate from here on --
+        if cut:
+            node = self._split(child, cut)
+        if new_pages is not None:
+            if node is None:  # the namespace held nothing: store a root for it
+                node = self._roots[namespace] = Node(b"", _EMPTY_PAGES, None, self._tick, namespace)
+            self._held.put(new_pages, True)
+            leaf = Node(key[start:end], new_pages, node, self._tick, namespace)
+            node.children[key[start : start + width]] = leaf
+            self._num_nodes += 1
+            self.inserted_pages += len(new_pages)
+            self._push(leaf)
+            node = leaf
         self._tick += 1
         node.last_access = self._tick
         if priority > node.priority:
             node.priority = priority
-        return cached
+        return start // _TOKEN
+
+    def _check_new_pages(self, pages: PageIds) -> None:
+        """ValueError unless each id of ``pages`` is in range, listed once and held by no
+        node. Does not mutate the tree (``_mark`` is scratch). Vectorised: O(len(pages))."""
+        try:
+            held = self._held.take(pages.view(np.uint32))  # a negative id reads as out of range
+        except IndexError:
+            raise ValueError(
+                f"pages must lie in [0, {self.allocator.num_pages}), got {pages.min()}..{pages.max()}"
+            ) from None
+        if np.count_nonzero(held):
+            raise ValueError(f"pages already held by the tree (in some namespace): {pages[held][:8].tolist()}")
+        # Duplicates without sorting: scatter each entry's position, read it back. An id
+        # listed twice reads back one position for both of its entries (whichever write
+        # won), so the read-back differs from the positions (compared as bytes: memcmp).
+        n = pages.size
+        if n > 1:
+            if self._positions.size < n:
+                self._positions = np.arange(max(n, 2 * self._positions.size), dtype=np.int32)
+            positions = self._positions[:n]
+            mark = self._mark
+            mark.put(pages, positions)  # ndarray.put: a scatter without the indexing machinery
+            if mark.take(pages).tobytes() != positions.tobytes():
+                twice = np.unique(pages[mark.take(pages) != positions])
+                raise ValueError(f"pages lists ids twice among the pages the tree would take: {twice[:8].tolist()}")
 
     def lock(self, node: Node) -> None:
         """Pin ``node`` and its path to the root against eviction (counted: lock twice,
@@ -382,7 +444,9 @@ class RadixCache:
             if not dropped:
                 break
             self.evicted_pages += taken
-            freed += self.allocator._release(dropped[0] if len(dropped) == 1 else np.concatenate(dropped))
+            dropped = dropped[0] if len(dropped) == 1 else np.concatenate(dropped)
+            self._held.put(dropped, False)
+            freed += self.allocator._release(dropped)
         return freed
 
     def _next_victim(self, need: int) -> tuple[Node, int] | None:
@@ -487,11 +551,15 @@ class RadixCache:
         self._num_nodes -= 1
 
     def _remove_leaf(self, leaf: Node) -> None:
+        """Unlink an evicted leaf; a root left without children is dropped too (it stays
+        usable as a handle: ``root`` explains why)."""
         parent = leaf.parent
         del parent.children[leaf.key[: self._width]]
         leaf.alive = False
         self._num_nodes -= 1
         if parent.parent is None:
+            if not parent.children:
+                del self._roots[parent.namespace]
             return
         if leaf.last_access > parent.last_access:
             parent.last_access = leaf.last_access
@@ -507,8 +575,10 @@ class RadixCache:
         """Walk the tree and cross-check it with the allocator.
 
         Proves: every edge is whole pages and keyed by its first page; each page is in
-        the tree at most once and is referenced in the pool; lock counts cover their
-        children's; the page counters match the walk; the pool's own integrity. With
+        the tree at most once and is referenced in the pool; the held-page map lists
+        exactly the tree's pages; every stored root has a child and its namespace; lock
+        counts cover their children's; the page counters match the walk; the pool's own
+        integrity. With
         ``external_refs`` (page id -> references held outside the tree, e.g. by running
         requests), each page's count must equal tree + external exactly, and pages
         nobody lists must be free.
@@ -516,6 +586,9 @@ class RadixCache:
         Does not mutate. Raises IntegrityError describing the first violation.
         """
         self.allocator.check_integrity()
+        for namespace, root in self._roots.items():
+            if not root.children or root.parent is not None or root.namespace != namespace:
+                raise IntegrityError(f"namespace {namespace!r}: stored root is empty or not a root")
         width = self._width
         in_tree = []
         protected = 0
@@ -543,6 +616,8 @@ class RadixCache:
             raise IntegrityError(f"cached_pages {self.cached_pages} but the walk found {pages.size}")
         if protected != self.protected_pages:
             raise IntegrityError(f"protected_pages {self.protected_pages} but the walk found {protected}")
+        if np.count_nonzero(self._held) != pages.size or not self._held[pages].all():
+            raise IntegrityError("the held-page map does not list exactly the tree's pages")
         refs = self.allocator._refs
         if pages.size and (refs[pages] < 1).any():
             raise IntegrityError("the tree holds a page the pool thinks is free")
