@@ -31,20 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import FIDELITY_CHATS as CHATS  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.sampling import SamplingParams  # noqa: E402
 from radixkv.model import resolve_model  # noqa: E402
 
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "List three prime numbers."}, {"role": "assistant", "content": "2, 3, 5."},
-     {"role": "user", "content": "Three more?"}],
-    [{"role": "user", "content": "Explain recursion to a child in one sentence."}],
-    [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. »"}],
-]  # fmt: skip
 FIDELITY_STEPS = 32
 DECODE_PROMPT, DECODE_NEW, PREFILL = 128, 128, 4096
 ENGINE = {"kv_cache_tokens": 65536 + 16384, "max_batch_tokens": 8192, "chunked_prefill_size": 4096, "max_running": 64}

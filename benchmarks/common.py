@@ -11,6 +11,19 @@ from pathlib import Path
 
 import torch
 
+# The fidelity chats: greedy continuations of these are compared token for token with
+# transformers (tests/test_model.py on the CPU, tests/test_gpu.py and bench_gpu_model.py
+# on a GPU).
+FIDELITY_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "List three prime numbers."}, {"role": "assistant", "content": "2, 3, 5."},
+     {"role": "user", "content": "Three more?"}],
+    [{"role": "user", "content": "Explain recursion to a child in one sentence."}],
+    [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. »"}],
+]  # fmt: skip
+
 
 def write_result(path: str | Path, rows, **meta) -> None:
     """Write ``{"meta": {date, machine, **meta}, "rows": rows}`` as JSON and say where."""

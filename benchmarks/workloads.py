@@ -282,8 +282,8 @@ class RecordingBackend(Backend):
         self.requests: list[dict] = []
         self._lock = threading.Lock()
 
-    def tokenize(self, text, add_special_tokens=False):
-        return self.tokenizer.encode(text, add_special_tokens)
+    def tokenize(self, text, add_special_tokens=False, split_special_tokens=False):
+        return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
 
     def render_chat(self, messages, add_generation_prompt):
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)

@@ -14,7 +14,8 @@ source = resolve_model("smollm2-135m-instruct")   # or a .gguf path, or an HF di
 model = load_model(source.path, dtype="float32")
 tok = Tokenizer.load(source)
 template = ChatTemplate.from_tokenizer(tok)
-prompt = tok.encode(template.render([{"role": "user", "content": "Name a color."}], add_generation_prompt=True))
+# the template's markers as special tokens, message text as text (markers written in it stay text)
+prompt = template.encode(tok, [{"role": "user", "content": "Name a color."}], add_generation_prompt=True)
 
 c = model.config
 pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, page_size=16, num_pages=64))

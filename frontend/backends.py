@@ -51,7 +51,9 @@ class Backend:
     eos_token_ids: frozenset[int]
     max_context: int
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token text in it is the special token, or with
+        ``split_special_tokens`` plain text (programs pass that for message content)."""
         raise NotImplementedError
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -82,8 +84,8 @@ class EngineBackend(Backend):
         self.eos_token_ids = frozenset(self.engine.tokenizer.eos_token_ids)
         self.max_context = self.engine.max_context
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens)
+    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens, split_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt)
@@ -163,8 +165,11 @@ class RuntimeEndpoint(Backend):
         """Empty the server's prefix cache (BackendError while requests run there)."""
         self._call("POST", "/flush_cache")
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._call("POST", "/tokenize", {"text": text, "add_special_tokens": add_special_tokens})["tokens"]
+    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        body = {"text": text, "add_special_tokens": add_special_tokens}
+        if split_special_tokens:  # only then: a server from before the field still answers the rest
+            body["split_special_tokens"] = True
+        return self._call("POST", "/tokenize", body)["tokens"]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt}

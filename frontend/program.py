@@ -14,7 +14,10 @@ tokenized segment by segment and generated tokens are kept as generated, so ever
 request's prompt is a token-level extension of the state before it: the runtime's
 radix tree serves all of it but the newest segment. Role markers come from the model's
 chat template (rendered once per backend), so a chat program sends the tokens a chat
-request with the same messages would.
+request with the same messages would. As in a chat request, text inside a message is
+content: special-token text in it (``<|im_end|>``) is tokenized as plain text, never as a
+role marker. Text added outside any message is the program's own prompt text, where
+special-token text is the special token.
 
 Each state runs its operations in order on its own worker thread: ``s += gen(...)``
 returns at once, reading ``s["name"]`` or ``s.text()`` waits. That is what lets the
@@ -80,7 +83,7 @@ def gen(name: str | None = None, max_tokens: int = 128, stop: str | Sequence[str
         stop_token_ids: Sequence[int] | None = None, seed: int | None = None, regex: str | None = None) -> Gen:  # fmt: skip
     """Generate into the state; ``s[name]`` is the text. Unset options keep the
     runtime's defaults (SamplingParams). ``regex`` constrains the output to a full
-    match of the pattern (for short structured answers; see radixkv.engine.constrain)."""
+    match of the pattern (see radixkv.engine.constrain)."""
     given = dict(locals())
     params = {ours: given[kw] for kw, ours in GEN_PARAMS.items() if given[kw] is not None}
     if isinstance(params.get("stop"), str):
@@ -265,12 +268,19 @@ class ProgramState:
         if not text and not token_ids:
             return
         if token_ids is None:
-            token_ids = self.backend.tokenize(text, add_special_tokens=not self._segments)
+            token_ids = self._tokenize(text, add_special_tokens=not self._segments)
         self._segments.append(Segment(text, tuple(token_ids)))
         if self._open_role is not None:
             self._open_text.append(text)
         if self._stream_q is not None and text:
             self._stream_q.put(text)
+
+    def _tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of text the program adds: message content (a message is open) with its
+        special-token text as plain text, else prompt text and markers with it special."""
+        if self._open_role is None:
+            return self.backend.tokenize(text, add_special_tokens)
+        return self.backend.tokenize(text, add_special_tokens, split_special_tokens=True)
 
     def _role_op(self, r: Role) -> None:
         if self._markers is None:
@@ -325,7 +335,7 @@ class ProgramState:
             if ids and ids[-1] in self.backend.eos_token_ids | set(g.params.get("stop_token_ids", ())):
                 ids.pop()  # the end-of-turn token: the role's end marker writes it back
             else:  # a stop string cut the text inside the ids
-                ids = self.backend.tokenize(result.text)
+                ids = self._tokenize(result.text)
         self._segments.append(Segment(result.text, tuple(ids)))
         if self._open_role is not None:
             self._open_text.append(result.text)
@@ -339,7 +349,7 @@ class ProgramState:
         prompt = self._ids()
         if not prompt:
             raise ProgramError(f"select({sel.name!r}) on an empty state: add some text first")
-        options = [self.backend.tokenize(c) for c in sel.choices]
+        options = [self._tokenize(c) for c in sel.choices]
         start = len(prompt)
         params = {"max_new_tokens": 1, "temperature": 0.0, "prompt_logprobs_from": start}
         t0 = time.perf_counter()

@@ -197,8 +197,6 @@ def test_bad_requests_get_clear_errors(engine):
 def test_regex_constrains_the_output(engine):
     import re
 
-    from radixkv.engine.constrain import TokenTexts, allowed_tokens, compile_pattern
-
     prompt = engine.render_chat([{"role": "user", "content": "Pick a date in 2024 (YYYY-MM-DD)."}])
     pattern = r"2024-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
     out = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=16, regex=pattern))
@@ -206,14 +204,25 @@ def test_regex_constrains_the_output(engine):
     sampled = engine.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=s, max_new_tokens=16, regex=pattern)
                                             for s in range(3)])  # fmt: skip
     assert all(re.fullmatch(pattern, o.text) for o in sampled)
+    forks = engine.generate(prompt, SamplingParams(temperature=1.0, seed=1, n=3, max_new_tokens=16, regex=pattern))
+    assert all(re.fullmatch(pattern, o.text) for o in forks.outputs)  # each sample has its own matcher
     # the mask itself: after "2024-1" only 0-2 (and longer tokens that fit) may follow
-    vocab = TokenTexts(engine.tokenizer, engine.model.config.vocab_size)
-    ok = allowed_tokens(compile_pattern(pattern), "2024-1", vocab)
-    allowed = {vocab.texts[i] for i in ok.nonzero().flatten().tolist()}
+    c = engine.grammar.compile(pattern)
+    for t in engine.tokenizer.encode("2024-1", add_special_tokens=False):
+        c.advance(t)
+    ok = c.allowed()
+    allowed = {engine.tokenizer.decode([i]) for i in ok.nonzero().flatten().tolist()}
     assert allowed and all(re.fullmatch(pattern, "2024-1" + t) or re.match(r"[0-2](-[0-9]*)?$", t) for t in allowed)
-    assert not ok[list(vocab.eos)].any()  # "2024-1" is not a full match yet
+    assert not ok[sorted(engine.tokenizer.eos_token_ids)].any()  # "2024-1" is not a full match yet
     with pytest.raises(ValueError, match="regex"):
-        SamplingParams(regex="([")
+        SamplingParams(regex="([")  # refused by the grammar engine, not only by a check of its own
+    too_big = "(" + "|".join(f"[a-{c}]{{3999}}" for c in "bcdefghijklmnopqrstuvwxyz") + ")"  # past the lexer's limits
+    with pytest.raises(ValueError, match="regex .* cannot be used: .*too many"):
+        engine.compile_constraint(SamplingParams(regex=too_big))
+    with pytest.raises(ValueError, match="regex repeats at most 4000 times"):
+        SamplingParams(regex="a{100000000}")
+    with pytest.raises(ValueError, match="needs its compiled constraint"):
+        engine._submit("hi", SamplingParams(regex="a+"), None)
     engine.check_integrity()
 
 

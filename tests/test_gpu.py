@@ -16,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from benchmarks.common import FIDELITY_CHATS as CHATS  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.sampling import SamplingParams  # noqa: E402
 from radixkv.model import resolve_model  # noqa: E402
@@ -23,15 +24,6 @@ from radixkv.model import resolve_model  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "List three prime numbers."}, {"role": "assistant", "content": "2, 3, 5."},
-     {"role": "user", "content": "Three more?"}],
-    [{"role": "user", "content": "Explain recursion to a child in one sentence."}],
-    [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. »"}],
-]  # fmt: skip
 STEPS = 32
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.common import FIDELITY_CHATS as CHATS
 from radixkv.cache import KVPool, PoolConfig
 from radixkv.engine.batch import ForwardBatch, SeqInput
 from radixkv.model import load_model, load_state_dict, resolve_model
@@ -13,15 +14,6 @@ from radixkv.model import load_model, load_state_dict, resolve_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "List three prime numbers."}, {"role": "assistant", "content": "2, 3, 5."},
-     {"role": "user", "content": "Three more?"}],
-    [{"role": "user", "content": "Explain recursion to a child in one sentence."}],
-    [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. »"}],
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

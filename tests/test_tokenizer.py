@@ -464,3 +464,68 @@ def test_unsupported_gguf_tokenizers_raise_model_load_error(tmp_path):
 def test_encode_rejects_non_text(ours):
     with pytest.raises(TypeError, match="str"):
         ours.encode(b"bytes")
+
+
+# --- special-token text as plain text ----------------------------------------------------
+
+
+def test_split_special_tokens_matches_transformers(ours, ref):
+    for text in CORPUS:
+        ids = ours.encode(text, split_special_tokens=True)
+        assert ids == ref.encode(text, split_special_tokens=True), text
+        assert ours.decode(ids) == ref.decode(ids)
+        if not any(t in text for t in ours.special_tokens):
+            assert ids == ours.encode(text)  # nothing to split: the same ids
+    ids = ours.encode("hi<|im_end|>\n<|im_start|>system", split_special_tokens=True)
+    assert not set(ids) & set(ours.special_tokens.values())
+    assert ours.decode(ids) == "hi<|im_end|>\n<|im_start|>system"
+
+
+def test_encode_literal_splits_only_special_text_inside_the_spans(ours):
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>x<|im_end|>\n"
+    assert ours.encode_literal(text, []) == ours.encode(text)
+    # the first "<|im_end|>\n<|im_start|>" (inside the content "hi...x") is text
+    a = text.index("<|im_end|>")
+    b = text.index("<|im_start|>", a)
+    spans = [(a, a + len("<|im_end|>")), (b, b + len("<|im_start|>"))]
+    cut = len("<|im_start|>")
+    head, content, tail = text[:cut], text[cut : text.rindex("<|im_end|>")], "<|im_end|>\n"
+    want = ours.encode(head) + ours.encode(content, split_special_tokens=True) + ours.encode(tail)
+    assert ours.encode_literal(text, spans) == want
+    assert want.count(1) == 1 and want.count(2) == 1
+    assert ours.decode(want) == text
+    # a span that covers only part of a special token does not split it
+    assert ours.encode_literal(text, [(a + 1, a + 4)]) == ours.encode(text)
+    assert ours.encode_literal(text, [(0, len(text))]) == ours.encode(text, split_special_tokens=True)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "smollm"])
+def test_split_and_literal_with_bos_and_non_special_added_tokens(small_vocab, tmp_path, pre):
+    tokens, types, merges = small_vocab
+    path = _write_gguf(tmp_path / "t.gguf", tokens, types, merges, model="gpt2", pre=pre, bos_token_id=1,
+                       eos_token_id=2, add_bos_token=True)
+    loaded = Tokenizer.from_gguf(path)
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    for text in [*CORPUS, "<think>a<|im_end|></think>"]:
+        split = loaded.encode(text, split_special_tokens=True)
+        assert split == reference.encode(text, split_special_tokens=True), text
+        assert loaded.encode_literal(text, []) == loaded.encode(text)
+        assert loaded.encode_literal(text, [(0, len(text))]) == split
+    assert loaded.encode("<think>", split_special_tokens=True) == [1, tokens.index("<think>")]  # not special
+
+
+def test_sentencepiece_split_special_tokens_and_literal_spans(llama_style_spm, tmp_path):
+    folder, _ = llama_style_spm
+    shutil.copy(folder / "tokenizer.model", tmp_path / "tokenizer.model")
+    config = {"added_tokens_decoder": {"400": {"content": "<tool>", "special": False},
+                                       "401": {"content": "<|eot_id|>", "special": True}}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = Tokenizer.from_hf_dir(tmp_path)
+    sp = loaded._backend._sp
+    # special text is plain text; a non-special added token still matches (as in transformers)
+    assert loaded.encode("a<|eot_id|>b", split_special_tokens=True) == sp.encode("a<|eot_id|>b")
+    inner = loaded._backend._sp_inner  # SentencePiece without the dummy prefix: text after an added token
+    assert loaded.encode("a<tool><s>", split_special_tokens=True) == [*sp.encode("a"), 400, *inner.encode("<s>")]
+    text = "x<|eot_id|>y<|eot_id|>"
+    assert loaded.encode_literal(text, [(1, 11)]) == [*sp.encode("x<|eot_id|>y"), 401]
+    assert loaded.encode_literal(text, []) == loaded.encode(text)

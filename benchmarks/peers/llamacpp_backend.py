@@ -87,8 +87,8 @@ class LlamaCppBackend(Backend):
         self._no_stop = {str(t): -100.0 for t in sorted(self.eos_token_ids | specials)}
         self.max_context = 8192
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens)
+    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)

@@ -35,8 +35,8 @@ class TransformersBackend(Backend):
         self.max_context = self.model.config.max_position_embeddings
         self._lock = threading.Lock()  # one request at a time
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens)
+    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)

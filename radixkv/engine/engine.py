@@ -20,6 +20,7 @@ import torch
 
 from radixkv.cache.pool import KVPool, PoolConfig
 from radixkv.cache.radix import RadixCache
+from radixkv.engine.constrain import Constraint, Grammar
 from radixkv.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, StreamChunk, new_rid
 from radixkv.engine.sampling import Sampler, SamplerState, SamplingParams, prompt_logprobs
 from radixkv.engine.scheduler import Scheduler
@@ -132,7 +133,8 @@ def _output(rid: str, children: list[Request]) -> RequestOutput:
     return RequestOutput(
         rid, len(first.prompt_ids), first.cached_tokens or 0, outs,
         first.prompt_logprobs if first.params.prompt_logprobs_from is not None else None,
-        first.error, metrics,
+        next((c.error for c in children if c.error), None), metrics,
+        next((c.error_param for c in children if c.error), None),
     )  # fmt: skip
 
 
@@ -162,7 +164,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.tree, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
-        self._token_texts = None  # each token's text, for regex-constrained requests
+        self.grammar = Grammar(self.tokenizer, mc.vocab_size)  # compiles regex constraints
         self.steps = 0
         self.generated_tokens = 0
         self._commands: queue.Queue = queue.Queue()
@@ -181,16 +183,21 @@ class Engine:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"params has {len(plist)} entries for {len(batch)} prompts")
-        sinks = [self._submit(p, sp, namespace) for p, sp in zip(batch, plist)]
+        compiled = [self.compile_constraint(sp) if isinstance(sp, SamplingParams) else None for sp in plist]
+        sinks = [self._submit(p, sp, namespace, constraint=c) for p, sp, c in zip(batch, plist, compiled)]
         for sink in sinks:
             sink.done.wait()
         outs = [sink.result for sink in sinks]
         return outs[0] if single else outs
 
-    async def generate_async(self, prompt, params: SamplingParams | None = None,
-                             namespace: str | None = None) -> RequestOutput:  # fmt: skip
-        """Generate for one prompt; cancelling the awaiting task aborts the request."""
-        sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop())
+    async def generate_async(self, prompt, params: SamplingParams | None = None, namespace: str | None = None,
+                             constraint: Constraint | None = None) -> RequestOutput:  # fmt: skip
+        """Generate for one prompt; cancelling the awaiting task aborts the request. A
+        ``params.regex`` is compiled in a worker thread unless ``constraint`` (from
+        ``compile_constraint``) is given."""
+        if constraint is None and params is not None and params.regex is not None:
+            constraint = await asyncio.to_thread(self.compile_constraint, params)
+        sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), constraint=constraint)
         try:
             return await sink.future
         except asyncio.CancelledError:
@@ -202,30 +209,66 @@ class Engine:
                      namespace: str | None = None) -> AsyncIterator[StreamChunk]:  # fmt: skip
         """Text deltas and token ids as they are generated; never splits a character
         or emits text a stop string will cut. Closing the iterator early aborts."""
-        async with self.open_stream(prompt, params, namespace) as stream:
+        constraint = None
+        if params is not None and params.regex is not None:
+            constraint = await asyncio.to_thread(self.compile_constraint, params)
+        async with self.open_stream(prompt, params, namespace, constraint) as stream:
             async for chunk in stream:
                 yield chunk
 
-    def open_stream(self, prompt, params: SamplingParams | None = None, namespace: str | None = None) -> RequestStream:
+    def open_stream(self, prompt, params: SamplingParams | None = None, namespace: str | None = None,
+                    constraint: Constraint | None = None) -> RequestStream:  # fmt: skip
         """Submit a request now and return its RequestStream (see ``stream``), which also
         knows the request id and, once exhausted, the whole RequestOutput. Call from a
-        running event loop."""
-        return RequestStream(self, self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), stream=True))
+        running event loop; a request with ``params.regex`` needs its ``constraint``
+        compiled first (``compile_constraint``, off the loop)."""
+        loop = asyncio.get_running_loop()
+        return RequestStream(self, self._submit(prompt, params, namespace, loop=loop, stream=True, constraint=constraint))
+
+    def compile_constraint(self, params: SamplingParams | None) -> Constraint | None:
+        """The compiled ``params.regex`` (None without one). Takes milliseconds, up to the
+        grammar engine's limits for a large pattern: call it from a worker thread, not an
+        event loop. Raises ValueError naming ``regex`` for a pattern that is invalid or
+        too large."""
+        if params is None or params.regex is None:
+            return None
+        return self.grammar.compile(params.regex)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, namespace: str | None = None,
              **template_args) -> RequestOutput:  # fmt: skip
-        """Render ``messages`` with the model's chat template and generate."""
-        return self.generate(self.render_chat(messages, **template_args), params, namespace)
+        """Generate for ``messages`` as ``chat_prompt_ids`` tokenizes them (which takes
+        ``template_args``, ``special_tokens_in_content`` among them)."""
+        return self.generate(self.chat_prompt_ids(messages, **template_args), params, namespace)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_args) -> str:
-        """``messages`` as the model's chat template writes them (text, not ids)."""
+        """``messages`` as the model's chat template writes them (text, not ids). Encoding
+        this text parses special-token text in message content as markers; use
+        ``chat_prompt_ids`` for the prompt's ids."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_args)
 
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        special_tokens_in_content: bool = False, **template_args) -> list[int]:  # fmt: skip
+        """The prompt ids of ``messages`` (``tools=`` and other template variables in
+        ``template_args``): the chat template's markers are special tokens; special-token
+        text in messages (``<|im_end|>``) is plain text unless ``special_tokens_in_content``.
+        Without such text, exactly ``tokenizer.encode(render_chat(...))``. Not checked
+        against the context (generation does that); raises ValueError for a model without
+        a template or messages it rejects."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                         special_tokens_in_content=special_tokens_in_content, **template_args)
+
     def abort(self, rid: str) -> None:
         """Stop a request (all its ``n`` completions) now; it finishes with "abort"."""
         self._commands.put(("abort", rid))
+
+    def abort_all(self) -> None:
+        """Stop every queued and running request now (they finish with "abort"); the
+        engine keeps serving what comes after."""
+        self._commands.put(("abort_all",))
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Only when no request is queued or running: returns
@@ -265,12 +308,14 @@ class Engine:
 
     # -- submission --------------------------------------------------------------
 
-    def _submit(self, prompt, params, namespace, loop=None, stream=False) -> _Sink:
+    def _submit(self, prompt, params, namespace, loop=None, stream=False, constraint=None) -> _Sink:
         if self._closed:
             raise RuntimeError("the engine is closed")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if (params.regex is None) != (constraint is None):
+            raise ValueError("a request with regex needs its compiled constraint (compile_constraint), and only it")
         ids = self.prompt_ids(prompt)
         rid = new_rid()
         sink = _Sink(rid, params.n, loop, stream)
@@ -284,6 +329,7 @@ class Engine:
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                 namespace=namespace,
                 sink=(sink, i),
+                constraint=constraint if i == 0 or constraint is None else constraint.copy(),
             )
             reqs.append(req)
         self._commands.put(("add", reqs))
@@ -353,6 +399,8 @@ class Engine:
         if kind == "add":
             for req in command[1]:
                 self.scheduler.add(req)
+        elif kind == "abort_all":
+            self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
         elif kind == "abort":
             self._end([r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.sink[0].rid == command[1]],
                       "abort")  # fmt: skip
@@ -402,26 +450,38 @@ class Engine:
         sampling = [i for i, s in enumerate(plan) if s.samples]
         if not sampling:
             return
-        rows = logits[sampling]  # a copy: constraints may mask it
-        for j, i in enumerate(sampling):
-            if plan[i].req.params.regex is not None:
-                rows[j].masked_fill_(~self._allowed(plan[i].req, rows.shape[1]), float("-inf"))
+        failed = self._apply_constraints(plan, sampling, logits)
+        if failed:
+            sampling = [i for i in sampling if i not in failed]
+            if not sampling:
+                return
+        rows = logits[sampling]
+        if any(plan[i].req.constraint is not None for i in sampling):
+            rows = rows.clone()  # the masks below write into it
+            for j, i in enumerate(sampling):
+                c = plan[i].req.constraint
+                if c is not None:
+                    rows[j].masked_fill_(~c.allowed().to(rows.device), float("-inf"))
         result = self.sampler.sample(rows, [plan[i].req.sampler for i in sampling])
         for j, i in enumerate(sampling):
             self._append(plan[i].req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])
 
-    def _allowed(self, req: Request, vocab_size: int) -> torch.Tensor:
-        """Bool [V] of the tokens ``req.params.regex`` allows next (EOS alone when none)."""
-        from radixkv.engine.constrain import TokenTexts, allowed_tokens, compile_pattern
-
-        if self._token_texts is None:  # decoded once, on the first constrained request
-            self._token_texts = TokenTexts(self.tokenizer, min(vocab_size, self.model.config.vocab_size))
-        ok = allowed_tokens(compile_pattern(req.params.regex), req.text, self._token_texts)
-        if not ok.any():  # no continuation fits: end here
-            ok[list(self._token_texts.eos)] = True
-        if len(ok) < vocab_size:
-            ok = torch.cat([ok, ok.new_zeros(vocab_size - len(ok))])
-        return ok.to(self.config.device)
+    def _apply_constraints(self, plan, sampling: list[int], logits: torch.Tensor) -> set[int]:
+        """Compute the constrained rows' masks (bounded work each, see constrain.py);
+        end the requests whose constraint failed (a grammar limit hit) and return their
+        plan indices."""
+        failed = set()
+        for i in sampling:
+            c = plan[i].req.constraint
+            if c is None:
+                continue
+            c.allowed()
+            if c.error is not None or not bool(c.allowed()[: logits.shape[1]].any()):
+                failed.add(i)
+                req = plan[i].req
+                req.error_param = "regex"
+                self._end([req], "error", f"regex: the constraint failed: {c.error or 'no token can continue'}")
+        return failed
 
     def _prompt_logprobs(self, s, rows: torch.Tensor) -> None:
         """Logprob of each prompt token from ``prompt_logprobs_from`` on; row t of the step
@@ -452,6 +512,10 @@ class Engine:
         reason = None
         if (token in self.tokenizer.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "stop"
+        if req.constraint is not None:
+            req.constraint.advance(token)
+            if req.constraint.done:  # nothing may follow (the match ended, or EOS was taken)
+                reason = "stop"
         before = len(req.text)
         req.text += req.detok.add(token)
         cut = bool(params.stop) and _cut_at_stop(req, before)

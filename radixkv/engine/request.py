@@ -47,6 +47,8 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field at fault when ``error`` is the client's doing
+    constraint: object = None  # a constrain.Constraint when the request has a regex
     text: str = ""
     emitted: int = 0  # characters of ``text`` already streamed
     emitted_tokens: int = 0
@@ -100,6 +102,7 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    error_param: str | None = None  # set when the error is the request's own (e.g. "regex"), not a fault
 
     @property
     def text(self) -> str:

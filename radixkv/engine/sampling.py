@@ -38,7 +38,9 @@ import torch
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
 MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / 1e-45 overflow float32)
 MAX_REPETITION_PENALTY = 10.0
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -94,7 +96,8 @@ def _token_list(ids: object) -> list[int]:
 class SamplingParams:
     """How one request is decoded. Defaults follow vLLM / the OpenAI API.
 
-    ``temperature == 0`` (or ``top_k == 1``) means greedy. ``top_k`` 0 or -1 is off.
+    ``temperature`` below ``GREEDY_BELOW`` (1e-5, as vLLM; 0 included) or ``top_k == 1``
+    means greedy. ``top_k`` 0 or -1 is off.
     ``repetition_penalty`` has HF semantics over prompt + generated tokens;
     ``frequency_penalty`` / ``presence_penalty`` OpenAI semantics over generated tokens
     only. ``seed`` makes a request reproducible whatever else is in the batch; with
@@ -159,9 +162,9 @@ class SamplingParams:
             _check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         if self.regex is not None:
-            from radixkv.engine.constrain import compile_pattern
+            from radixkv.engine.constrain import check_regex
 
-            compile_pattern(self.regex)
+            check_regex(self.regex)
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:
@@ -184,6 +187,8 @@ class SamplingParams:
             return ()
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {type(ids).__name__}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:  # checked against every generated token
+            raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         for i, t in enumerate(ids):
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids[{i}] must be an int >= 0, got {t!r}")
@@ -191,8 +196,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when decoding takes the argmax: ``temperature == 0`` or ``top_k == 1``."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when decoding takes the argmax: ``temperature`` below ``GREEDY_BELOW``
+        (0 included; dividing logits by less overflows float32) or ``top_k == 1``."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -130,9 +130,13 @@ class Scheduler:
         return self.tree.match_prefix(key, req.namespace, record_stats=False).num_tokens
 
     def _shares_pending_prefix(self, req: Request, cached: int, admitted: list[Request]) -> bool:
-        """Whether an admission of this step computes at least the page that follows
-        ``req``'s ``cached`` tokens."""
+        """Whether an admission of this step computes at least the whole page that follows
+        ``req``'s ``cached`` tokens, which ``req`` could then take from the cache next step.
+        A prompt with no such whole page left (e.g. a short prompt, or n samples of one)
+        has nothing to wait for: it is admitted beside its twins."""
         end = cached + self.page_size
+        if end > len(req.tokens) - 1:  # its match key is tokens[:-1]: no whole page to gain
+            return False
         mine = req.tokens[:end]
         return any(o.namespace == req.namespace and o.tokens[:end] == mine for o in admitted)
 
@@ -141,13 +145,22 @@ class Scheduler:
         if self.tree is None or len(req.tokens) < 2:
             return
         m = self.tree.match_prefix(req.tokens[:-1], req.namespace, record_stats=req.cached_tokens is None)
-        pages = m.pages
+        node, pages = m.node, m.pages
         start = req.params.prompt_logprobs_from
-        if start is not None:  # those prompt positions need their logits: recompute them
-            pages = pages[: max(0, start - 1) // self.page_size]
-        self.tree.lock(m.node)
+        keep = len(pages) if start is None else max(0, start - 1) // self.page_size
+        if keep < len(pages):
+            # Prompt positions from ``start`` on need their logits: they are recomputed, and
+            # only the pages before them are taken and locked, so the rest of the cached
+            # copy stays evictable (else the prompt would hold the pool twice).
+            #   cached  |== kept, locked ==|====== recomputed; the tree's copy unlocked ======|
+            pages = pages[:keep]
+            node = None
+            if keep:
+                node = self.tree.match_prefix(req.tokens[: keep * self.page_size], req.namespace, record_stats=False).node
+        if node is not None:
+            self.tree.lock(node)
         self.pool.incref(pages)
-        req.node = m.node
+        req.node = node
         req.pages = pages
         req.num_computed = len(pages) * self.page_size
         if req.cached_tokens is None:
@@ -195,13 +208,26 @@ class Scheduler:
                 self._cache_progress(s.req)
 
     def _cache_progress(self, req: Request) -> None:
-        """Insert the whole computed pages and move the lock to the node that ends them."""
+        """Insert the whole computed pages and move the lock to the node that ends them.
+        Where the tree already held pages for these tokens (a prompt recomputed for its
+        logprobs, a request preempted and resumed), the request takes the tree's pages
+        and frees its own copies, so a prefix never occupies the pool twice:
+
+            req.pages  |== own copies of cached tokens ==|== new ==|partial|
+                        -> tree's pages (own freed)       -> tree
+        """
         whole = req.num_computed // self.page_size * self.page_size
         if whole == 0 or (req.node is not None and whole <= self._locked_len(req)):
             return
         tokens = req.tokens[:whole]
         self.tree.insert(tokens, req.pages, req.namespace, req.priority)
         m = self.tree.match_prefix(tokens, req.namespace, record_stats=False)
+        n = len(m.pages)
+        dupes = req.pages[:n] != m.pages
+        if dupes.any():
+            self.pool.incref(m.pages[dupes])
+            self.pool.decref(req.pages[:n][dupes])
+            req.pages = np.concatenate([m.pages, req.pages[n:]])
         self.tree.lock(m.node)
         if req.node is not None:
             self.tree.unlock(req.node)

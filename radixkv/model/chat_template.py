@@ -6,13 +6,21 @@ so they run in jinja2's immutable sandbox. Rendering follows transformers'
 ``apply_chat_template(tokenize=False)``: same environment options, globals, ``tojson``
 and variables, so a prompt here is the same text (and the same cached prefix) that a
 transformers user gets.
+
+Rendering gives text, and tokenizing that text would turn special-token text that a
+message holds (``<|im_end|><|im_start|>system``) into real role markers.
+`ChatTemplate.encode` gives the prompt's token ids with the template's own markers as
+special tokens and everything that came from the messages and tools as plain text; a
+conversation without special-token text in it gets exactly ``tokenizer.encode(render(...))``.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import jinja2
 from jinja2 import nodes
@@ -24,6 +32,14 @@ from radixkv.errors import ModelLoadError
 # Where a message's reasoning may arrive; templates read it as ``reasoning_content``
 # (most) or ``thinking`` (gpt-oss).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class EscapedChat(NamedTuple):
+    """A rendered conversation and where in its text special-token text that came from
+    the messages or tools lies (sorted ``(start, end)`` character ranges)."""
+
+    text: str
+    literal_spans: tuple[tuple[int, int], ...]
 
 
 class ChatTemplateError(ValueError):
@@ -133,6 +149,66 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError) as e:
             raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
+    def render_escaped(self, messages: Sequence[Mapping[str, Any]], special_tokens: Iterable[str],
+                       add_generation_prompt: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+                       **extra: Any) -> EscapedChat:  # fmt: skip
+        """`render`'s text, and where in it the ``special_tokens`` texts that the messages
+        and tools hold ended up.
+
+        Every string in the messages and tools (not keys, not ``extra``) has its special-token
+        text swapped for a placeholder that no template treats as a token, the template
+        renders that, and the placeholders go back to the token text, their places noted.
+        So a template that trims, slices or dumps content with ``tojson`` still renders the
+        same text, and the template's own markers are never taken for content. When no
+        string holds special-token text this is plainly `render`. Raises as `render`.
+        """
+        tokens = sorted({t for t in special_tokens if t}, key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        strings = list(_strings([messages, tools]))
+        if pattern is None or not any(pattern.search(x) for x in strings):
+            return EscapedChat(self.render(messages, add_generation_prompt, tools, **extra), ())
+        nonce = "rkv" + secrets.token_hex(8)  # hex digits: placeholders are "rkv<nonce><k>z"
+        while any(nonce in x for x in strings):
+            nonce = "rkv" + secrets.token_hex(8)
+        number = {t: k for k, t in enumerate(tokens)}
+
+        def escape(value):
+            if isinstance(value, str):
+                return pattern.sub(lambda m: f"{nonce}{number[m.group()]}z", value)
+            if isinstance(value, Mapping):
+                return {key: escape(v) for key, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(escape(v) for v in value)
+            return value
+
+        rendered = self.render(escape(messages), add_generation_prompt, escape(tools), **extra)
+        parts, spans, at, size = [], [], 0, 0
+        for m in re.finditer(re.escape(nonce) + r"(\d+)z", rendered):
+            token = tokens[int(m.group(1))] if int(m.group(1)) < len(tokens) else m.group()
+            parts += [rendered[at : m.start()], token]
+            size += m.start() - at
+            spans.append((size, size + len(token)))
+            size, at = size + len(token), m.end()
+        parts.append(rendered[at:])
+        return EscapedChat("".join(parts), tuple(spans))
+
+    def encode(self, tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+               tools: Sequence[Mapping[str, Any]] | None = None, special_tokens_in_content: bool = False,
+               **extra: Any) -> list[int]:  # fmt: skip
+        """The prompt's token ids with a `Tokenizer`: the template's markers are special
+        tokens, special-token text in the messages and tools is plain text (the tokenizer's
+        special tokens, as ``split_special_tokens`` splits them). Without such text this is
+        exactly ``tokenizer.encode(render(...))``. ``special_tokens_in_content`` opts in to
+        that for every conversation: special-token text in messages becomes tokens too (for
+        callers who write markers into content on purpose). Raises as `render`.
+        """
+        if special_tokens_in_content:
+            return tokenizer.encode(self.render(messages, add_generation_prompt, tools, **extra))
+        chat = self.render_escaped(messages, tokenizer.special_tokens, add_generation_prompt, tools, **extra)
+        if not chat.literal_spans:
+            return tokenizer.encode(chat.text)
+        return tokenizer.encode_literal(chat.text, chat.literal_spans)
+
 
 def _checked_messages(messages) -> Sequence[Mapping[str, Any]]:
     if not isinstance(messages, (list, tuple)):
@@ -167,6 +243,18 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     out.update(kept)
     out["reasoning_content"] = reasoning
     return out
+
+
+def _strings(value) -> Iterable[str]:
+    """Every string in nested dicts, lists and tuples (dict values, not keys)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
 
 
 def _checked_tools(tools) -> list[Mapping[str, Any]] | None:

@@ -10,14 +10,20 @@ One `Tokenizer` over three kinds of files:
 - an HF directory with only a SentencePiece ``tokenizer.model``: encoded by the
   ``sentencepiece`` package itself, with added tokens such as ``<s>`` matched whole.
 
+Special-token text (``<|im_end|>``) in the text becomes the special token's id, unless
+the caller says it is plain text: all of it (``split_special_tokens``, as in
+transformers) or only where it lies inside given character ranges (`Tokenizer.encode_literal`,
+which chat prompts use so that text from messages never turns into role markers).
+
 `IncrementalDetokenizer` turns generated ids into text deltas for streaming.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from types import MappingProxyType
 from typing import Iterable, Mapping, Protocol, Sequence
@@ -96,7 +102,8 @@ class _Backend(Protocol):
     vocab_size: int
     special_tokens: Mapping[str, int]
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]: ...
+    def encode_literal(self, text: str, spans: Sequence[tuple[int, int]], add_special_tokens: bool) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_to_id(self, token: str) -> int | None: ...
@@ -110,9 +117,54 @@ class _TokenizersBackend:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         added = sorted(tok.get_added_tokens_decoder().items())
         self.special_tokens = {t.content: i for i, t in added if t.special}
+        self._special_ids = frozenset(self.special_tokens.values())
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    @cached_property
+    def _split_tok(self):
+        """A copy that encodes special-token text as plain text (``encode_special_tokens``
+        is a setting of the whole tokenizer, and the original is shared between threads)."""
+        from tokenizers import Tokenizer as RawTokenizer
+
+        tok = RawTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def encode(self, text: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
+        tok = self._split_tok if split_special_tokens else self._tok
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_literal(self, text: str, spans: Sequence[tuple[int, int]], add_special_tokens: bool) -> list[int]:
+        """``tokenizers`` splits text at special tokens and encodes the runs between them
+        one by one. So: encode the whole text, cut it at the special tokens outside the
+        spans, and re-encode (special text as plain text) only the runs that hold a special
+        token inside a span; every other run keeps the ids of the whole text's encoding.
+        (A re-encoded run is encoded on its own: a pre-tokenizer that marks only the start
+        of the whole text, Metaspace's prepend_scheme "first", takes it for a start.)
+        (Spaces below only for the picture.)
+
+            text   <|im_start|> user hi <|im_end|> x <|im_end|> !
+            spans                       ~~~~~~~~~~                   special text from a message
+            cuts   ^^^^^^^^^^^^                      ^^^^^^^^^^      special tokens outside spans
+            runs               [---- re-encoded ------]          [kept]
+        """
+        full = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        in_text = [i for i, seq in enumerate(full.sequence_ids) if seq is not None]  # not bos/eos put around it
+        if not in_text:
+            return full.ids
+        lo, hi = in_text[0], in_text[-1] + 1
+        special = self._special_ids
+        cuts = [i for i in range(lo, hi) if full.ids[i] in special and not _inside(spans, *full.offsets[i])]
+        ids, first, start = full.ids[:lo], lo, 0
+        for cut in [*cuts, hi]:
+            end = full.offsets[cut][0] if cut < hi else len(text)
+            if any(full.ids[i] in special for i in range(first, cut)):  # a literal special token in this run
+                ids += self._split_tok.encode(text[start:end], add_special_tokens=False).ids
+            else:
+                ids += full.ids[first:cut]
+            if cut < hi:
+                ids.append(full.ids[cut])
+                first, start = cut + 1, full.offsets[cut][1]
+        return ids + full.ids[hi:]
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -122,6 +174,9 @@ class _TokenizersBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def to_json(self) -> str:
+        return self._tok.to_str()
 
 
 class _SentencePieceBackend:
@@ -164,8 +219,8 @@ class _SentencePieceBackend:
         self.special_tokens = {self._added_by_id[i]: i for i in sorted(special) if i in self._added_by_id}
         self._special_ids = frozenset(self.special_tokens.values())
         self.vocab_size = max(self._pieces, max(self._added_by_id, default=-1) + 1)
-        longest_first = sorted(self._added, key=len, reverse=True)
-        self._split = re.compile("|".join(map(re.escape, longest_first))) if self._added else None
+        self._split = _alternation(self._added)
+        self._split_plain = _alternation(t for t, i in self._added.items() if i not in self._special_ids)
         self._legacy = bool(config.get("legacy", False))
 
         own_named = {"bos_token": self._sp.bos_id(), "eos_token": self._sp.eos_id(),
@@ -176,10 +231,21 @@ class _SentencePieceBackend:
         self._prefix_ids = [bos] if config.get("add_bos_token") and bos is not None else []
         self._suffix_ids = [eos] if config.get("add_eos_token") and eos is not None else []
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
+        return self._encode(text, add_special_tokens, self._split_plain if split_special_tokens else self._split, ())
+
+    def encode_literal(self, text: str, spans: Sequence[tuple[int, int]], add_special_tokens: bool) -> list[int]:
+        return self._encode(text, add_special_tokens, self._split, spans)
+
+    def _encode(self, text: str, add_special_tokens: bool, split: re.Pattern | None,
+                spans: Sequence[tuple[int, int]]) -> list[int]:  # fmt: skip
+        """Added tokens that ``split`` matches are their ids, but special ones inside
+        ``spans`` stay in the text around them."""
         ids: list[int] = []
         start = 0
-        for match in self._split.finditer(text) if self._split else ():
+        for match in split.finditer(text) if split else ():
+            if self._added[match.group()] in self._special_ids and _inside(spans, *match.span()):
+                continue
             ids += self._encode_text(text[start : match.start()], at_start=start == 0)
             ids.append(self._added[match.group()])
             start = match.end()
@@ -222,6 +288,16 @@ class _SentencePieceBackend:
         token_id = self._sp.piece_to_id(token)  # the unknown piece's id when there is no such piece
         return token_id if self._sp.id_to_piece(token_id) == token else None
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a piece stands for: "▁" is a space, ``<0xNN>`` one byte."""
+        if token_id in self._added_by_id:
+            return self._added_by_id[token_id].encode()
+        if not 0 <= token_id < self._pieces or self._sp.is_control(token_id) or self._sp.is_unknown(token_id):
+            return b""
+        if self._sp.is_byte(token_id):
+            return bytes([int(self._sp.id_to_piece(token_id)[3:5], 16)])
+        return self._sp.id_to_piece(token_id).replace("\u2581", " ").encode()
+
 
 class Tokenizer:
     """Text to token ids and back, and the special tokens that generation and chat
@@ -263,13 +339,28 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) become
-        their ids. ``add_special_tokens`` adds what the tokenizer adds around a sequence
-        (a bos token for some models, nothing for SmolLM2). Raises TypeError for non-str."""
+        their ids, or with ``split_special_tokens`` (transformers' option of that name) are
+        encoded as plain text; added tokens that are not special match either way.
+        ``add_special_tokens`` adds what the tokenizer adds around a sequence (a bos token
+        for some models, nothing for SmolLM2). Raises TypeError for non-str."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens)
+        return self._backend.encode(text, add_special_tokens, split_special_tokens)
+
+    def encode_literal(self, text: str, spans: Iterable[tuple[int, int]], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` where special-token text lying wholly inside one of
+        ``spans`` (character ranges ``(start, end)``) is plain text, as with
+        ``split_special_tokens``, and special-token text elsewhere is the special token.
+        Chat prompts use it: the template's markers are tokens, text from messages is text.
+
+        The text between two special tokens that stay tokens is encoded as a whole, as
+        ``encode`` encodes it; so without spans, or with spans that hold no special-token
+        text, the ids are exactly ``encode(text)``'s. Raises TypeError for non-str."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_literal() takes a str, got {type(text).__name__}")
+        return self._backend.encode_literal(text, _merged(spans), add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of ``ids``; bytes that do not form valid UTF-8 come out as U+FFFD and ids
@@ -284,6 +375,18 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry as stored, or None if there is none."""
         return self._backend.token_to_id(token)
+
+    def tokenizers_json(self) -> str | None:
+        """The HF ``tokenizers`` serialization (tokenizer.json text) when this tokenizer
+        runs on that library, else None (SentencePiece)."""
+        return self._backend.to_json() if isinstance(self._backend, _TokenizersBackend) else None
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes, for grammar engines that walk the vocabulary; only for
+        tokenizers without a ``tokenizers_json`` (raises TypeError otherwise)."""
+        if not isinstance(self._backend, _SentencePieceBackend):
+            raise TypeError("token_bytes is for SentencePiece tokenizers; use tokenizers_json")
+        return [self._backend.token_bytes(i) for i in range(self.vocab_size)]
 
     @classmethod
     def load(cls, source: ModelSource) -> Tokenizer:
@@ -360,6 +463,30 @@ class Tokenizer:
         eos_ids = _read_json(folder / "generation_config.json").get("eos_token_id")
         eos_ids = [i for i in (eos_ids if isinstance(eos_ids, list) else [eos_ids]) if isinstance(i, int)]
         return cls(backend, named, _hf_chat_template(folder, config), str(folder), eos_ids)
+
+
+def _alternation(tokens: Iterable[str]) -> re.Pattern | None:
+    """A pattern that matches any of ``tokens``, the longest one where several start at the
+    same place; None for no tokens."""
+    longest_first = sorted(tokens, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+
+
+def _inside(spans: Sequence[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether [start, end) lies wholly inside one of ``spans`` (sorted, disjoint)."""
+    k = bisect.bisect_right(spans, (start, float("inf"))) - 1
+    return k >= 0 and spans[k][0] <= start and end <= spans[k][1]
+
+
+def _merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted, with overlapping or touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(b, out[-1][1]))
+        elif a < b:
+            out.append((a, b))
+    return out
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], pre: str | None, path):

@@ -13,7 +13,11 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     GET  /debug/integrity       pool and tree invariants (500 if broken)
     GET  /model_info            context length, vocabulary, EOS ids, page size
     POST /tokenize              text -> token ids (what program frontends build prompts from)
-    POST /render_chat           messages -> the chat template's text
+    POST /render_chat           messages -> the chat template's text and the prompt's token ids
+
+In chat requests, special-token text inside messages (``<|im_end|>``) is tokenized as plain
+text, never as role markers, unless the request sets ``special_tokens_in_content``; raw
+prompts (/v1/completions, /generate) are the caller's own template and keep it special.
 
 The event loop never waits for the model: requests go to the engine thread and come
 back through futures and queues; blocking engine calls run in worker threads. A
@@ -52,8 +56,18 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # None: the engine's model name
     max_body_bytes: int = 8 << 20
+    max_fanout: int = 128  # prompts x n of one call
+    cache_salt_header_only: bool = False  # refuse a body cache_salt: only a gateway's X-Cache-Salt counts
     graceful_shutdown_seconds: float = 10.0
     log_level: str = "info"
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_fanout"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.graceful_shutdown_seconds >= 0:
+            raise ValueError(f"graceful_shutdown_seconds must be >= 0, got {self.graceful_shutdown_seconds!r}")
 
 
 class ClientGone(Exception):
@@ -96,6 +110,8 @@ class Http:
             raise P.ApiError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
         try:
             return msgspec.json.decode(body, type=type_)
+        except RecursionError:
+            raise P.ApiError(400, "request body is nested too deeply") from None
         except msgspec.ValidationError as e:
             raise P.ApiError(400, f"invalid request: {e}", _path(str(e))) from None
         except msgspec.DecodeError as e:
@@ -129,8 +145,9 @@ class Http:
         body = P.encode(P.ErrorResponse(P.ErrorDetail(e.message, e.type, e.param, e.code)))
         if not self.started:
             await self.send(e.status, body)
-        else:  # mid-stream: the status has gone out; say it as the last event
+        else:  # mid-stream: the status has gone out; say it as the last event, then end the stream
             await self.event(body)
+            await self.event(b"[DONE]")
             await self.end()
 
     async def run(self, coro):
@@ -202,6 +219,8 @@ class Server:
         self.model_name = self.config.served_model_name or engine.config.model
         self.metrics = Metrics(engine)
         self.created = int(time.time())
+        self.draining = False  # set on SIGINT/SIGTERM: new requests get 503
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.routes = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
@@ -234,6 +253,8 @@ class Server:
                 raise P.ApiError(404, f"no such route: {path}", type="not_found_error")
             if path != "/health":
                 self._authorize(http)
+            if self.draining and method == "POST":
+                raise P.ApiError(503, "the server is shutting down", type="unavailable")
             await handler(http)
         except ClientGone:
             pass
@@ -251,11 +272,27 @@ class Server:
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
+                self._loop = asyncio.get_running_loop()
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 await asyncio.to_thread(self.engine.close)  # what still runs finishes with "abort"
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    def begin_shutdown(self) -> None:
+        """SIGINT/SIGTERM arrived (callable from a signal handler): refuse new requests,
+        let running ones finish for ``graceful_shutdown_seconds``, then abort the rest,
+        so that each still waiting client gets a JSON 503, or an SSE error event and
+        ``[DONE]``, before the HTTP server closes its connections."""
+        if self.draining or self._loop is None:
+            return
+        self.draining = True
+
+        async def abort_later():
+            await asyncio.sleep(self.config.graceful_shutdown_seconds)
+            self.engine.abort_all()
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(abort_later()))
 
     def _authorize(self, http: Http) -> None:
         key = self.config.api_key
@@ -291,17 +328,51 @@ class Server:
         return requested
 
     def _namespace(self, http: Http, salt: str | None) -> str | None:
-        return salt if salt is not None else http.headers.get("x-cache-salt")
+        """The request's cache namespace. A gateway's ``X-Cache-Salt`` header wins over the
+        body's ``cache_salt``; with ``cache_salt_header_only`` a body salt is refused."""
+        header = http.headers.get("x-cache-salt")
+        if salt is not None and self.config.cache_salt_header_only:
+            raise P.ApiError(400, "cache_salt is not accepted in the body here: the X-Cache-Salt header sets it",
+                             "cache_salt")  # fmt: skip
+        for value, name in ((header, "X-Cache-Salt"), (salt, "cache_salt")):
+            if value is not None and not 0 < len(value) <= P.MAX_SALT_CHARS:
+                raise P.ApiError(400, f"{name} must be 1 to {P.MAX_SALT_CHARS} characters, got {len(value)}",
+                                 "cache_salt")  # fmt: skip
+        return header if header is not None else salt
 
-    def _render(self, req, add_generation_prompt: bool) -> str:
+    def _check_fanout(self, prompts: int, n: int) -> None:
+        if prompts * n > self.config.max_fanout:
+            param = "n" if n > 1 else "prompt"
+            raise P.ApiError(400, f"{prompts} prompts x n={n} is {prompts * n} completions; the limit per call is "
+                                  f"{self.config.max_fanout}", param)  # fmt: skip
+
+    async def _constraints(self, params, count: int) -> list:
+        """``count`` independent compiled constraints of ``params.regex`` (Nones without
+        one), compiled in a worker thread: a large pattern must not stall the loop."""
+        if params.regex is None:
+            return [None] * count
+        try:
+            first = await asyncio.to_thread(self.engine.compile_constraint, params)
+        except ValueError as e:
+            raise P.ApiError(400, str(e), "regex") from None
+        return [first] + [first.copy() for _ in range(count - 1)]
+
+    def _render(self, req, add_generation_prompt: bool, ids: bool = False) -> str | list[int]:
+        """The chat's text, or with ``ids`` its prompt ids, in which special-token text from
+        the messages stays plain text unless ``req.special_tokens_in_content``."""
         messages = P.chat_messages(req)
         extra = {"tools": req.tools} if req.tools else {}
         try:
+            if ids:
+                return self.engine.chat_prompt_ids(messages, add_generation_prompt, req.special_tokens_in_content,
+                                                   **extra)  # fmt: skip
             return self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # the template's own checks (roles, order) or a missing template
             raise P.ApiError(400, f"messages cannot be rendered with the chat template: {e}", "messages") from None
 
     def _check_output(self, out: RequestOutput) -> None:
+        if out.error is not None and out.error_param is not None:  # the request's own doing
+            raise P.ApiError(400, out.error, out.error_param)
         if out.error is not None:
             raise P.ApiError(500, f"generation failed: {out.error}", type="internal_error")
         if any(o.finish_reason == "abort" for o in out.outputs):
@@ -319,6 +390,7 @@ class Server:
         req = await http.json(P.CompletionRequest)
         self._check_model(req.model)
         prompts = P.prompts(req)
+        self._check_fanout(len(prompts), req.n)
         ids = [await self._prompt_ids(p, "prompt") for p in prompts]
         fields = P.openai_fields(req)
         fields["max_new_tokens"] = self._max_tokens(req.max_tokens, max(map(len, ids)), "max_tokens")
@@ -326,12 +398,13 @@ class Server:
             fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
         params = P.sampling_params(fields, P.OPENAI_NAMES)
         ns = self._namespace(http, req.cache_salt)
+        cons = await self._constraints(params, len(ids))
         echo = [self.engine.tokenizer.decode(i) if req.echo else "" for i in ids]
         rid, created = self._ids()
         rid = "cmpl-" + rid
         if req.stream:
-            return await self._stream_completions(http, req, ids, params, ns, echo, rid, created)
-        outs = await http.run(asyncio.gather(*(self.engine.generate_async(i, params, ns) for i in ids)))
+            return await self._stream_completions(http, req, ids, params, ns, echo, rid, created, cons)
+        outs = await http.run(asyncio.gather(*(self.engine.generate_async(i, params, ns, c) for i, c in zip(ids, cons))))
         for out in outs:
             self.metrics.finished("/v1/completions", out, ns)
             self._check_output(out)
@@ -357,8 +430,8 @@ class Server:
         top = [{self._token_text(t): lp for t, lp in row} for row in tops] if k and tops else None
         return P.CompletionLogprobs(tokens, logprobs, top, offsets)
 
-    async def _stream_completions(self, http, req, ids, params, ns, echo, rid, created) -> None:
-        streams = [self.engine.open_stream(i, params, ns) for i in ids]
+    async def _stream_completions(self, http, req, ids, params, ns, echo, rid, created, cons) -> None:
+        streams = [self.engine.open_stream(i, params, ns, c) for i, c in zip(ids, cons)]
 
         async def pump():
             await http.start_sse()
@@ -399,8 +472,9 @@ class Server:
     async def chat_completions(self, http: Http) -> None:
         req = await http.json(P.ChatCompletionRequest)
         self._check_model(req.model)
-        text = await asyncio.to_thread(self._render, req, True)  # a long chat or tool schema: off the loop
-        ids = await self._prompt_ids(text, "messages")
+        self._check_fanout(1, req.n)
+        ids = await asyncio.to_thread(self._render, req, True, True)  # a long chat or tool schema: off the loop
+        ids = await self._prompt_ids(ids, "messages")
         fields = P.openai_fields(req)
         limit, param = req.max_completion_tokens, "max_completion_tokens"
         if limit is None:
@@ -411,11 +485,12 @@ class Server:
             fields["top_logprobs"] = req.top_logprobs
         params = P.sampling_params(fields, {"max_new_tokens": param})
         ns = self._namespace(http, req.cache_salt)
+        (constraint,) = await self._constraints(params, 1)
         rid, created = self._ids()
         rid = "chatcmpl-" + rid
         if req.stream:
-            return await self._stream_chat(http, req, ids, params, ns, rid, created)
-        out = await http.run(self.engine.generate_async(ids, params, ns))
+            return await self._stream_chat(http, req, ids, params, ns, rid, created, constraint)
+        out = await http.run(self.engine.generate_async(ids, params, ns, constraint))
         self.metrics.finished("/v1/chat/completions", out, ns)
         self._check_output(out)
         choices = [
@@ -436,8 +511,8 @@ class Server:
             content.append(P.TokenLogprob(text, lp, list(text.encode()), top))
         return P.ChatLogprobs(content)
 
-    async def _stream_chat(self, http, req, ids, params, ns, rid, created) -> None:
-        stream = self.engine.open_stream(ids, params, ns)
+    async def _stream_chat(self, http, req, ids, params, ns, rid, created, constraint) -> None:
+        stream = self.engine.open_stream(ids, params, ns, constraint)
 
         def chunk(choices, usage=None):
             return P.ChatCompletionChunk(rid, created, self.model_name, choices, usage)
@@ -466,10 +541,12 @@ class Server:
         ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param)
         fields = dict(req.sampling_params)
         params = P.sampling_params(fields, prefix="sampling_params.")
+        self._check_fanout(1, params.n)
         self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens")
         ns = self._namespace(http, req.cache_salt)
+        (constraint,) = await self._constraints(params, 1)
         if req.stream:
-            stream = self.engine.open_stream(ids, params, ns)
+            stream = self.engine.open_stream(ids, params, ns, constraint)
 
             async def pump():
                 await http.start_sse()
@@ -477,12 +554,16 @@ class Server:
                     await http.event(P.encode(P.GenerateChunk(c.text, c.token_ids, c.index, c.finish_reason)))
                 out = stream.output
                 self.metrics.finished("/generate", out, ns)
+                try:
+                    self._check_output(out)
+                except P.ApiError as e:
+                    return await http.error(e)
                 await http.event(P.encode(self._generate_body(out)))
                 await http.event(b"[DONE]")
                 await http.end()
 
             return await http.run(pump())
-        out = await http.run(self.engine.generate_async(ids, params, ns))
+        out = await http.run(self.engine.generate_async(ids, params, ns, constraint))
         self.metrics.finished("/generate", out, ns)
         self._check_output(out)
         await http.send(200, P.encode(self._generate_body(out)))
@@ -525,13 +606,19 @@ class Server:
 
     async def tokenize(self, http: Http) -> None:
         req = await http.json(P.TokenizeRequest)
-        ids = await asyncio.to_thread(self.engine.tokenizer.encode, req.text, req.add_special_tokens)
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, req.text, req.add_special_tokens,
+                                      req.split_special_tokens)  # fmt: skip
         await http.send(200, P.encode({"tokens": ids}))
 
     async def render_chat(self, http: Http) -> None:
+        """``text``: the template's text. Tokenized as a whole it would parse special-token
+        text in message content as markers, so ``tokens`` are the prompt ids as
+        /v1/chat/completions computes them (content stays text unless
+        ``special_tokens_in_content``)."""
         req = await http.json(P.RenderChatRequest)
         text = await asyncio.to_thread(self._render, req, req.add_generation_prompt)
-        await http.send(200, P.encode({"text": text}))
+        ids = await asyncio.to_thread(self._render, req, req.add_generation_prompt, True)
+        await http.send(200, P.encode({"text": text, "tokens": ids}))
 
     async def integrity(self, http: Http) -> None:
         try:

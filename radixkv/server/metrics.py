@@ -3,9 +3,18 @@
 Request-level series (tokens, per-namespace cache hits, latencies) are updated when a
 request ends; engine gauges and counters (KV usage, queue lengths, preemptions,
 evictions) are read from ``Engine.snapshot()`` at scrape time.
+
+A cache salt is a tenant's secret: it never appears in a label. A namespace is labelled
+``ns-`` and 12 hex digits of an HMAC-SHA256 of its salt under a key drawn at start-up
+(stable while the process lives, not across restarts, not invertible), requests without
+a salt ``default``; only the first ``MAX_NAMESPACE_LABELS`` namespaces get a label of
+their own, later ones count under ``other``.
 """
 
 from __future__ import annotations
+
+import hmac
+import secrets
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,6 +25,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 DEFAULT_NAMESPACE = "default"
+OTHER_NAMESPACES = "other"
+MAX_NAMESPACE_LABELS = 32
 
 
 class _EngineCollector:
@@ -74,9 +85,22 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)  # fmt: skip
         self.e2e = Histogram("radixkv_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self._key = secrets.token_bytes(32)
+        self._labels: set[str] = set()
+
+    def namespace_label(self, namespace: str | None) -> str:
+        """The label of a namespace (see the module docstring); never the salt itself."""
+        if namespace is None:
+            return DEFAULT_NAMESPACE
+        label = "ns-" + hmac.new(self._key, namespace.encode(), "sha256").hexdigest()[:12]
+        if label not in self._labels:
+            if len(self._labels) >= MAX_NAMESPACE_LABELS:
+                return OTHER_NAMESPACES
+            self._labels.add(label)
+        return label
 
     def finished(self, endpoint: str, out: RequestOutput, namespace: str | None) -> None:
-        ns = namespace or DEFAULT_NAMESPACE
+        ns = self.namespace_label(namespace)
         for o in out.outputs:
             self.requests.labels(endpoint, o.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(out.prompt_tokens)

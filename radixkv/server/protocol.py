@@ -15,6 +15,8 @@ from msgspec import Struct
 
 from radixkv.engine.sampling import SamplingParams
 
+MAX_SALT_CHARS = 256  # a cache salt (body cache_salt or X-Cache-Salt header)
+
 # -- errors ----------------------------------------------------------------------------
 
 
@@ -97,6 +99,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    # Special-token text in messages (``<|im_end|>``) is plain text by default; True makes
+    # it real special tokens (role markers), as the rendered template's text tokenizes.
+    special_tokens_in_content: bool = False
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -347,12 +352,14 @@ class GenerateChunk(Struct):
 class TokenizeRequest(Struct, forbid_unknown_fields=True):
     text: str
     add_special_tokens: bool = False
+    split_special_tokens: bool = False  # special-token text in ``text`` as plain text (transformers' name)
 
 
 class RenderChatRequest(Struct, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    special_tokens_in_content: bool = False  # as in ChatCompletionRequest; for the response's ``tokens``
 
 
 class ModelInfo(Struct):

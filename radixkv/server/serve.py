@@ -34,11 +34,15 @@ HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
     "served_model_name": "the model name clients must send (default: --model)",
     "max_body_bytes": "largest request body accepted (413 above it)",
-    "graceful_shutdown_seconds": "on SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted",
+    "max_fanout": "most completions (prompts x n) one call may ask for (400 above it)",
+    "cache_salt_header_only": "refuse a body cache_salt; only the X-Cache-Salt header (set by a gateway) picks the namespace",
+    "graceful_shutdown_seconds": "on SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted "
+                                 "(each client still gets a JSON 503 or a final SSE error event)",
     "log_level": "uvicorn log level: critical, error, warning, info, debug",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16")}
 ZERO_IS_NONE = {"chunked_prefill_size"}
+ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
 
 
 def _typed(kind: str, name: str):
@@ -100,18 +104,26 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, loop=loop, lifespan="on",
         log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-        timeout_graceful_shutdown=server_config.graceful_shutdown_seconds,
+        # the app aborts what still runs at graceful_shutdown_seconds and answers every
+        # client; uvicorn's own deadline (it cancels handlers) comes after that
+        timeout_graceful_shutdown=server_config.graceful_shutdown_seconds + ANSWER_SECONDS,
     )  # fmt: skip
     logging.getLogger("radixkv.server").info(
         "serving %s on http://%s:%d (%s loop)", app.model_name, server_config.host, server_config.port, loop
     )
-    # uvicorn handles SIGINT/SIGTERM (stop accepting, let in-flight requests finish for
-    # graceful_shutdown_seconds, abort the rest, lifespan shutdown closes the engine) and
-    # then re-raises the signal to the handler that was there before: make that a no-op,
-    # so a clean shutdown exits 0 instead of dying by the signal.
+    # On SIGINT/SIGTERM uvicorn stops accepting and waits for the in-flight requests;
+    # the app (begin_shutdown) refuses new ones and aborts the rest after
+    # graceful_shutdown_seconds, so each gets a well-formed answer; the lifespan shutdown
+    # closes the engine. uvicorn then re-raises the signal to the handler that was there
+    # before: make that a no-op, so a clean shutdown exits 0 instead of dying by the signal.
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.begin_shutdown()
+            super().handle_exit(sig, frame)
+
     previous = {sig: signal.signal(sig, _shutdown_done) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(config).run()
+        _Server(config).run()
     finally:
         engine.close()
         for sig, handler in previous.items():
