@@ -173,3 +173,16 @@ def test_kv_pool_on_cuda():
     assert pool.k[0][pages[0]].sum().item() == 4 * 2 * 8
     pool.decref(pages)
     pool.check_integrity()
+
+
+def test_incref_distinct_refuses_repeated_ids_and_changes_nothing():
+    alloc = PageAllocator(8)
+    pages = alloc.alloc(3)
+    before = alloc.refcount(pages).tolist()
+    with pytest.raises(ValueError, match=rf"pages lists ids twice: \[{pages[1]}\]"):
+        alloc.incref([pages[0], pages[1], pages[2], pages[1]], distinct=True)
+    assert alloc.refcount(pages).tolist() == before
+    alloc.incref([pages[1], pages[1]])  # without distinct a repeat is two references
+    assert alloc.refcount(pages).tolist() == [before[0], before[1] + 2, before[2]]
+    alloc.incref(pages, distinct=True)
+    alloc.check_integrity()

@@ -106,17 +106,26 @@ class PageAllocator:
         self._refs[pages] = 1
         return pages
 
-    def incref(self, pages) -> None:
+    def incref(self, pages, distinct: bool = False) -> None:
         """Add one reference to each entry of ``pages`` (a page listed twice gets two).
 
         Raises ValueError, changing nothing, if an id is out of range or a page is free:
-        a new owner can only share a page that somebody already owns.
+        a new owner can only share a page that somebody already owns; with ``distinct``,
+        also if an id is listed twice (an owner that holds each page once, the tree).
         """
         pages = as_page_ids(pages)
         counts = self._counts(pages)
         if np.count_nonzero(counts) != counts.size:
             raise ValueError(f"pages not owned by anybody cannot be shared: {pages[counts == 0][:8].tolist()}")
         np.add.at(self._refs, pages, _ONE)
+        if distinct and pages.size > 1:
+            # A page listed k times gained k: every entry of it reads counts + k, not + 1.
+            after = self._refs.take(pages)
+            counts += 1
+            if after.tobytes() != counts.tobytes():
+                np.subtract.at(self._refs, pages, _ONE)
+                twice = np.unique(pages[after != counts])
+                raise ValueError(f"pages lists ids twice: {twice[:8].tolist()}")
 
     def decref(self, pages) -> int:
         """Drop one reference from each entry of ``pages``; return how many pages became free.

@@ -166,8 +166,6 @@ class RadixCache:
         self._width = page_size * _TOKEN  # bytes per page in a key
         self._roots: dict[object, Node] = {}  # only namespaces that hold a node
         self._held = np.zeros(allocator.num_pages, dtype=np.bool_)  # page -> in the tree
-        self._mark = np.zeros(allocator.num_pages, dtype=np.int32)  # scratch, duplicate check
-        self._positions = np.arange(0, dtype=np.int32)  # 0..n-1, grown on demand
         self._heap: list[tuple] = []
         self._seq = 0  # heap tie-breaker
         self._tick = 0  # logical clock for access statistics
@@ -322,7 +320,7 @@ class RadixCache:
         if start < end:
             new_pages = pages[start // width : num_pages].copy()
             self._check_new_pages(new_pages)
-            self.allocator.incref(new_pages)  # ValueError for free pages, changing nothing
+            self.allocator.incref(new_pages, distinct=True)  # ValueError for free or repeated ids, changing nothing
         # -- validated: mutate from here on --
         if cut:
             node = self._split(child, cut)
@@ -343,8 +341,9 @@ class RadixCache:
         return start // _TOKEN
 
     def _check_new_pages(self, pages: PageIds) -> None:
-        """ValueError unless each id of ``pages`` is in range, listed once and held by no
-        node. Does not mutate the tree (``_mark`` is scratch). Vectorised: O(len(pages))."""
+        """ValueError unless each id of ``pages`` is in range and held by no node (the
+        allocator's ``incref(distinct=True)`` then refuses ids listed twice). Does not
+        mutate. Vectorised: O(len(pages))."""
         try:
             held = self._held.take(pages.view(np.uint32))  # a negative id reads as out of range
         except IndexError:
@@ -353,19 +352,6 @@ class RadixCache:
             ) from None
         if np.count_nonzero(held):
             raise ValueError(f"pages already held by the tree (in some namespace): {pages[held][:8].tolist()}")
-        # Duplicates without sorting: scatter each entry's position, read it back. An id
-        # listed twice reads back one position for both of its entries (whichever write
-        # won), so the read-back differs from the positions (compared as bytes: memcmp).
-        n = pages.size
-        if n > 1:
-            if self._positions.size < n:
-                self._positions = np.arange(max(n, 2 * self._positions.size), dtype=np.int32)
-            positions = self._positions[:n]
-            mark = self._mark
-            mark.put(pages, positions)  # ndarray.put: a scatter without the indexing machinery
-            if mark.take(pages).tobytes() != positions.tobytes():
-                twice = np.unique(pages[mark.take(pages) != positions])
-                raise ValueError(f"pages lists ids twice among the pages the tree would take: {twice[:8].tolist()}")
 
     def lock(self, node: Node) -> None:
         """Pin ``node`` and its path to the root against eviction (counted: lock twice,
