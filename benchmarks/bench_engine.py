@@ -37,7 +37,7 @@ size 16, one engine at a time.
 3. Overhead split. Every engine gets timers on the engine thread's calls (perf_counter,
    exclusive time: a call's nested timed calls are charged to their own part):
    ``Engine._step`` (the total), ``model.forward``, ``scheduler.schedule`` / ``advance`` /
-   ``finish``, ``scheduler.build_batch``, ``sampler.sample`` and the tree's
+   ``remove``, ``scheduler.build_batch``, ``sampler.sample`` and the tree's
    ``match_prefix`` / ``insert`` / ``evict`` / ``lock`` / ``unlock``. The rest of
    ``_step`` (appending tokens, detokenizing, streaming) is shown as its own part; calls
    outside a step (``flush_cache``) are not counted. The < 5% target is checked against
@@ -101,7 +101,7 @@ QUICK = Settings(new_tokens=16, repeat=1, conversations=8, turns=3, system_token
 
 PARTS = {  # part -> (engine attribute, its methods)
     "model forward": ("model", ("forward",)),
-    "scheduler": ("scheduler", ("schedule", "advance", "finish")),
+    "scheduler": ("scheduler", ("schedule", "advance", "remove")),
     "batch building": ("scheduler", ("build_batch",)),
     "radix tree": ("tree", ("match_prefix", "insert", "evict", "lock", "unlock")),
     "sampling": ("sampler", ("sample",)),

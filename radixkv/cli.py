@@ -25,6 +25,7 @@ class SimConfig:
     capacities: tuple[float, ...] = (0.1, 0.2, 0.4, 0.6, 0.8)  # fractions of the unique pages
     policies: tuple[str, ...] = tuple(POLICIES)
     in_flight: int = 1
+    chunk_size: int = 512  # the engine's prefill chunk (sim.DEFAULT_CHUNK_SIZE); 0: whole prompts
     belady: bool = True
     out_dir: str = "out"
 
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sim.add_argument("--no-belady", action="store_true", help="skip the offline Belady reference")
     sim.add_argument("--in-flight", type=_positive, default=d.in_flight, help="requests in flight at once (default 1)")
+    sim.add_argument("--chunk-size", type=int, default=d.chunk_size,
+                     help=f"prefill chunk in tokens, as the engine's --chunked-prefill-size; 0: whole prompts "
+                          f"(default {d.chunk_size})")  # fmt: skip
     sim.add_argument("--plot", help="write a PNG of hit rate vs capacity here")
     sim.add_argument("--json", help="write the full results as JSON here")
     sim.add_argument("--export-trace", help="write the (built-in) trace as JSONL here")
@@ -134,9 +138,13 @@ def cmd_sim(args) -> int:
         title = f"{args.workload} (seed {args.seed})"
     if args.export_trace:
         traces.dump_jsonl(trace, args.export_trace)
+    if args.chunk_size < 0:
+        print("radixkv sim: --chunk-size must be >= 0", file=sys.stderr)
+        return 2
     result = sim.sweep(
-        trace, args.page_size, args.policy, args.capacity, args.capacity_pages, args.in_flight, not args.no_belady
-    )
+        trace, args.page_size, args.policy, args.capacity, args.capacity_pages, args.in_flight, not args.no_belady,
+        chunk_size=args.chunk_size or None,
+    )  # fmt: skip
     print(f"{title}: {len(trace)} requests, {result['unique_pages']} unique pages of {args.page_size} tokens")
     print(sim.format_table(result))
     if args.json:
@@ -181,7 +189,8 @@ def cmd_demo(args) -> int:
     print("(hit rate in % of prompt tokens; columns are capacities in pages, as a share of unique pages)\n")
     for name in ("multi_turn", "few_shot", "branching"):
         trace = traces.synthetic(name)
-        result = sim.sweep(trace, d.page_size, d.policies, d.capacities, None, d.in_flight, d.belady)
+        result = sim.sweep(trace, d.page_size, d.policies, d.capacities, None, d.in_flight, d.belady,
+                           chunk_size=d.chunk_size or None)  # fmt: skip
         print(f"== {name}: {len(trace)} requests, page size {d.page_size}, {result['unique_pages']} unique pages")
         print(sim.format_table(result) + "\n")
         sim.write_json(result, out / f"demo_{name}.json")

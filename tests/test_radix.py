@@ -20,7 +20,7 @@ def put(tree, tokens, namespace=None, priority=0):
     n = -(-len(tokens) // tree.page_size)
     a.incref(m.pages)
     table = np.concatenate([m.pages, a.alloc(n - len(m.pages))])
-    cached = tree.insert(tokens, table, namespace, priority)
+    cached = tree.insert(tokens, table, namespace, priority).num_cached
     a.decref(table)
     return table, cached
 
@@ -64,7 +64,7 @@ def test_only_whole_pages_enter_and_match():
     assert t.match_prefix([0, 1, 2, 9, 4, 5, 6, 7]).num_tokens == 0  # mismatch inside page 1
     m = t.match_prefix([0, 1, 2, 3, 4, 5, 9, 9])  # mismatch inside page 2: split after page 1
     assert m.pages.tolist() == [0] and m.node.tokens() == [0, 1, 2, 3]
-    assert t.insert([1, 2, 3], [5]) == 0  # shorter than a page: nothing to cache
+    assert t.insert([1, 2, 3], [5]).num_cached == 0  # shorter than a page: nothing to cache
     t.check_integrity(external_refs={})
 
 
@@ -72,7 +72,7 @@ def test_insert_keeps_the_trees_pages_and_caller_drops_duplicates():
     a, t = make()
     put(t, [7, 8, 9])
     mine = a.alloc(4)  # computed the same prefix again, concurrently
-    assert t.insert([7, 8, 9, 10], mine) == 3
+    assert t.insert([7, 8, 9, 10], mine).num_cached == 3
     assert t.match_prefix([7, 8, 9, 10]).pages.tolist() == [0, 1, 2, 6]
     assert a.refcount(mine).tolist() == [1, 1, 1, 2]
     assert a.decref(mine) == 3  # the three duplicates are freed, page 6 stays in the tree
@@ -302,7 +302,7 @@ def test_unlock_merges_a_growing_conversation_into_one_edge():
         t.lock(m.node)
         a.incref(m.pages)
         table = np.concatenate([m.pages, a.alloc(len(prompt) - len(m.pages))])
-        assert t.insert(prompt, table) == len(m.pages)
+        assert t.insert(prompt, table).num_cached == len(m.pages)
         t.unlock(m.node)  # the matched node is now folded into the new leaf
         a.decref(table)
         owned = table.tolist()
@@ -363,7 +363,7 @@ def test_bookkeeping_matches_leave_the_counters_alone():
 def _snapshot(tree):
     """Everything a failed call must leave as it was: counters, structure, refcounts."""
     shape = sorted((n.namespace or "", n.path_key(), n.pages.tolist(), n.lock_ref) for n in tree.nodes())
-    return tree.stats(), shape, tree.allocator._refs.copy(), tree.allocator.num_free()
+    return tree.stats(), shape, tree.allocator.refcounts().copy(), tree.allocator.num_free()
 
 
 def _assert_unchanged(tree, before):
@@ -383,7 +383,7 @@ def test_insert_rejects_a_page_listed_twice_and_changes_nothing():
         t.insert([1, 2, 3, 4], [0, 1, 3, 3])  # the duplicate is in the part the tree would take
     _assert_unchanged(t, before)
     t.check_integrity(external_refs={int(p): 1 for p in mine})
-    assert t.insert([1, 2, 3, 4], [7, 7, 3, 4]) == 2  # duplicates the tree does not take are the caller's
+    assert t.insert([1, 2, 3, 4], [7, 7, 3, 4]).num_cached == 2  # duplicates the tree does not take are the caller's
     a.decref(mine)
     t.check_integrity(external_refs={})
 
@@ -404,7 +404,7 @@ def test_insert_rejects_pages_the_tree_already_holds_in_any_namespace():
     _assert_unchanged(t, before)
     t.check_integrity(external_refs={})
     mine = a.alloc(1)
-    assert t.insert([1, 2, 3, 4, 5], np.concatenate([held, mine])) == 4  # a cached prefix is not "taken again"
+    assert t.insert([1, 2, 3, 4, 5], np.concatenate([held, mine])).num_cached == 4  # a cached prefix is not "taken again"
     a.decref(mine)
     assert t.match_prefix([1, 2, 3, 4, 5]).pages.tolist() == [0, 1, 2, 3, 4]
     t.check_integrity(external_refs={})
@@ -432,7 +432,7 @@ def test_emptied_namespaces_leave_no_per_namespace_state():
     for i in range(100):  # lookups, and inserts shorter than a page, store nothing
         assert t.match_prefix([i], f"other-{i}").num_tokens == 0
     _, t2 = make(page_size=4)
-    assert t2.insert([1, 2], [0]) == 0 and t2._roots == {}
+    assert t2.insert([1, 2], [0]).num_cached == 0 and t2._roots == {}
     t.check_integrity(external_refs={})
     root = t.root("tenant-3")  # a dropped namespace still has a root, recreated on demand
     assert root.parent is None and not root.children
@@ -452,7 +452,7 @@ def test_a_request_holding_a_dropped_root_finishes_normally():
     a.incref(m.pages)
     table = a.alloc(2)
     assert t.evict(2) == 2 and t._roots == {}  # x's root is dropped under the request
-    assert t.insert([9, 9], table, "x") == 0  # a new root
+    assert t.insert([9, 9], table, "x").num_cached == 0  # a new root
     t.unlock(m.node)
     a.decref(table)
     assert t.match_prefix([9, 9], "x").pages.tolist() == table.tolist()

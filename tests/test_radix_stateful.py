@@ -97,7 +97,7 @@ class TreeMachine(RuleBasedStateMachine):
         r = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
         whole = len(r["tokens"]) // self.page_size
         expected_cached = len(self._expect(r["ns"], r["tokens"][: whole * self.page_size]))
-        cached = self.tree.insert(r["tokens"], r["table"], r["ns"])
+        cached = self.tree.insert(r["tokens"], r["table"], r["ns"]).num_cached
         assert cached == expected_cached * self.page_size
         for i in range(expected_cached, whole):
             self.model[(r["ns"], tuple(r["tokens"][: (i + 1) * self.page_size]))] = int(r["table"][i])

@@ -14,38 +14,48 @@ def req(tokens, **kw):
 
 SHARED = list(range(100, 110))  # 10 tokens
 
+# As in the engine, a request looks up its prompt but the last token (whose logits
+# give the first output token, so it is always computed), and the last output token is
+# sampled but never computed, so it is never cached.
+
 
 def test_second_request_hits_the_shared_prefix():
     trace = [req(SHARED + [1, 2]), req(SHARED + [3, 4, 5])]
     r = sim.replay(trace, None, page_size=1)
-    assert (r.queried_tokens, r.hit_tokens, r.evicted_pages, r.rejected) == (25, 10, 0, 0)
+    assert (r.queried_tokens, r.hit_tokens, r.evicted_pages, r.rejected) == (11 + 12, 10, 0, 0)
     assert r.cached_pages == 15  # 10 shared + 2 + 3
     r4 = sim.replay(trace, None, page_size=4)
     assert r4.hit_tokens == 8  # only the two whole shared pages
+    again = sim.replay([req(SHARED), req(SHARED)], None, 1)
+    assert again.hit_tokens == 9  # the same prompt twice: all but its last token
 
 
 def test_capacity_forces_evictions_and_policy_matters():
     a, b = [1] * 8, [2] * 8
-    # Room for two of a, b, c. c arrives after a was reused: LRU drops b (so b misses,
-    # and makes a miss in turn); FIFO drops a, the oldest insert (so b hits).
+    # Room for two of a, b, c (8 pages each) and one spare page. The second a hits 7
+    # and computes its last token in the spare page. c then needs 7 more pages: LRU
+    # takes them from b (used least recently), FIFO from a (inserted first).
     trace = [req(a), req(b), req(a), req([3] * 8), req(b), req(a)]
-    lru = sim.replay(trace, 16, 1, "lru")
-    fifo = sim.replay(trace, 16, 1, "fifo")
-    assert lru.hit_tokens == 8  # only the second a
-    assert fifo.hit_tokens == 16  # the second a and the second b
+    lru = sim.replay(trace, 17, 1, "lru")
+    fifo = sim.replay(trace, 17, 1, "fifo")
+    assert lru.hit_tokens == 7 + 1 + 1  # the second a; then b and a find only their first page left
+    assert fifo.hit_tokens == 7 + 7  # the second a and the second b
     assert lru.evicted_pages > 0 and fifo.evicted_pages > 0
 
 
-def test_in_flight_requests_do_not_see_each_others_pages():
-    trace = [req(SHARED), req(SHARED + [1])]
-    assert sim.replay(trace, None, 1, in_flight=1).hit_tokens == 10
-    assert sim.replay(trace, None, 1, in_flight=2).hit_tokens == 0
+def test_in_flight_requests_see_published_prompts_but_not_outputs():
+    """A prompt's chunks are published as they are computed (the engine does so), a
+    request's outputs only when it finishes."""
+    first = req(SHARED, output_tokens=array("i", [7, 7, 7]))
+    trace = [first, req(SHARED + [7, 7, 9])]
+    assert sim.replay(trace, None, 1, in_flight=1).hit_tokens == 12  # SHARED + 7, 7
+    assert sim.replay(trace, None, 1, in_flight=2).hit_tokens == 10  # SHARED only
 
 
 def test_listed_outputs_are_cached_for_the_next_turn_and_counts_are_not():
     turn1 = req(SHARED, output_tokens=array("i", [7, 7, 7]))
     turn2 = req(SHARED + [7, 7, 7, 9])
-    assert sim.replay([turn1, turn2], None, 1).hit_tokens == 13
+    assert sim.replay([turn1, turn2], None, 1).hit_tokens == 12  # the third 7 was never computed
     counted = req(SHARED, output_tokens=3)  # fresh ids that no prompt repeats
     assert sim.replay([counted, turn2], None, 1).hit_tokens == 10
 
@@ -58,7 +68,7 @@ def test_request_larger_than_the_pool_is_rejected_cleanly():
 
 def test_namespaces_do_not_share_in_the_simulator():
     trace = [req(SHARED, namespace="a"), req(SHARED, namespace="b"), req(SHARED, namespace="a")]
-    assert sim.replay(trace, None, 1).hit_tokens == 10
+    assert sim.replay(trace, None, 1).hit_tokens == 9
 
 
 @pytest.mark.parametrize("name", ["multi_turn", "branching"])
@@ -78,7 +88,7 @@ def test_belady_keeps_what_is_needed_next():
     # (a is needed next, b never again).
     trace = [req(a), req(b), req(c), req(a)]
     assert sim.replay(trace, 8, 1, "lru").hit_tokens == 0
-    assert sim.replay(trace, 8, 1, "belady").hit_tokens == 4
+    assert sim.replay(trace, 8, 1, "belady").hit_tokens == 3  # a again, all but its last token
 
 
 def test_sweep_reports_every_policy_and_capacity():

@@ -1,18 +1,23 @@
-"""KV page pool, radix-tree prefix cache, eviction policies and the hit-rate simulator."""
+"""KV page pool, radix-tree prefix cache, the KV cache manager, eviction policies and the
+hit-rate simulator."""
 
+from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.policy import POLICIES, EvictionPolicy, make_policy
 from radixkv.cache.pool import KVPool, PageAllocator, PoolConfig
-from radixkv.cache.radix import Match, Node, RadixCache, TreeStats
+from radixkv.cache.radix import Inserted, Match, Node, RadixCache, TreeStats
 
 __all__ = [
     "POLICIES",
     "EvictionPolicy",
+    "Inserted",
+    "KVCacheManager",
     "KVPool",
     "Match",
     "Node",
     "PageAllocator",
     "PoolConfig",
     "RadixCache",
+    "SeqKV",
     "TreeStats",
     "make_policy",
 ]

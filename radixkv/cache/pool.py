@@ -86,6 +86,12 @@ class PageAllocator:
         """Reference counts of ``pages`` (a copy). Does not mutate."""
         return self._counts(as_page_ids(pages))
 
+    def refcounts(self) -> np.ndarray:
+        """Every page's reference count, as a read-only view (for integrity checks)."""
+        view = self._refs.view()
+        view.flags.writeable = False
+        return view
+
     # -- mutations -------------------------------------------------------------
 
     def alloc(self, n: int) -> PageIds:
@@ -136,7 +142,7 @@ class PageAllocator:
         """
         pages = as_page_ids(pages)
         self._counts(pages)
-        return self._release(pages)
+        return self.release(pages)
 
     def _counts(self, pages: PageIds) -> np.ndarray:
         """Reference counts of ``pages``; ValueError for ids outside the pool (read as
@@ -146,8 +152,10 @@ class PageAllocator:
         except IndexError:
             raise ValueError(f"pages must lie in [0, {self.num_pages}), got {pages.min()}..{pages.max()}") from None
 
-    def _release(self, pages: PageIds) -> int:
-        """``decref`` for an int32 array already known to hold valid ids (the tree's)."""
+    def release(self, pages: PageIds) -> int:
+        """``decref`` without the range check, for an int32 array of ids the caller
+        holds (the tree, dropping its own pages). Still raises ValueError, changing
+        nothing, when more references are dropped than a page has."""
         if not pages.size:
             return 0
         refs = self._refs

@@ -130,6 +130,18 @@ class Match(NamedTuple):
     node: Node
 
 
+class Inserted(NamedTuple):
+    """Result of ``insert``.
+
+    ``num_cached``: tokens the tree held already (the caller's pages for them are
+    duplicates, the caller's to release); ``node``: the node that ends the inserted
+    whole pages, to ``lock`` next (no second walk); a root when nothing was inserted.
+    """
+
+    num_cached: int
+    node: Node
+
+
 class TreeStats(NamedTuple):
     """Counters only grow; the page figures are current values."""
 
@@ -264,8 +276,9 @@ class RadixCache:
             pages = parts[0].copy() if parts else _EMPTY_PAGES
         return Match(pages, pos // _TOKEN, node)
 
-    def insert(self, tokens, pages, namespace=None, priority: int = 0) -> int:
-        """Cache the whole pages of ``tokens``; return how many tokens were cached already.
+    def insert(self, tokens, pages, namespace=None, priority: int = 0) -> Inserted:
+        """Cache the whole pages of ``tokens``; return how many tokens were cached
+        already and the node that ends them (see ``Inserted``).
 
         ``pages`` is the sequence's page table (at least one id per whole page; ids
         past the whole pages are ignored). The tree takes a reference on each page it
@@ -294,7 +307,7 @@ class RadixCache:
             raise ValueError(f"pages has {len(pages)} ids but tokens fill {num_pages} whole pages")
         end = num_pages * width
         if not end:
-            return 0
+            return Inserted(0, self.root(namespace))
         # Walk without changing anything: to the deepest node the key covers, and the
         # edge below it (`child`) that the key leaves after `cut` of its pages.
         root = node = self._roots.get(namespace)
@@ -338,7 +351,7 @@ class RadixCache:
         node.last_access = self._tick
         if priority > node.priority:
             node.priority = priority
-        return start // _TOKEN
+        return Inserted(start // _TOKEN, node)
 
     def _check_new_pages(self, pages: PageIds) -> None:
         """ValueError unless each id of ``pages`` is in range and held by no node (the
@@ -432,7 +445,7 @@ class RadixCache:
             self.evicted_pages += taken
             dropped = dropped[0] if len(dropped) == 1 else np.concatenate(dropped)
             self._held.put(dropped, False)
-            freed += self.allocator._release(dropped)
+            freed += self.allocator.release(dropped)
         return freed
 
     def _next_victim(self, need: int) -> tuple[Node, int] | None:
@@ -604,7 +617,7 @@ class RadixCache:
             raise IntegrityError(f"protected_pages {self.protected_pages} but the walk found {protected}")
         if np.count_nonzero(self._held) != pages.size or not self._held[pages].all():
             raise IntegrityError("the held-page map does not list exactly the tree's pages")
-        refs = self.allocator._refs
+        refs = self.allocator.refcounts()
         if pages.size and (refs[pages] < 1).any():
             raise IntegrityError("the tree holds a page the pool thinks is free")
         if external_refs is not None:

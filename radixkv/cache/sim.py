@@ -1,10 +1,13 @@
-"""Hit-rate simulator: replay a trace against the radix tree at a given capacity.
+"""Hit-rate simulator: replay a trace against the prefix cache at a given capacity.
 
-Each request does what the engine does with a prompt, minus the model:
+A request goes through the same ``KVCacheManager`` calls the engine's scheduler makes
+for it, minus the model, so the simulator's cached tokens per request are the engine's
+(``tests/test_sim.py`` replays one trace through both):
 
-    match prefix -> lock -> make room (evict; else finish the oldest request in
-    flight) -> allocate pages for the uncached suffix and the output -> (in flight)
-    -> insert prompt + output -> unlock -> release the request's pages
+    admit (match prompt[:-1], lock) -> prefill chunks of at most ``chunk_size`` tokens:
+    reserve (evict; else finish the oldest request in flight) -> computed -> commit ->
+    one decode step per output token but the last (its KV is never computed) ->
+    (in flight) -> release (publish, unlock, free)
 
 Two references bound what a policy can reach: the hit rate with unlimited capacity,
 and Belady's offline policy, which evicts the cached page whose next use lies
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.policy import EvictionPolicy, make_policy
 from radixkv.cache.pool import PageAllocator
 from radixkv.cache.radix import Node, RadixCache
@@ -43,13 +47,17 @@ class SimResult:
     hit_tokens: int
     evicted_pages: int
     cached_pages: int  # in the tree at the end
+    cached_per_request: tuple[int, ...] = ()  # prompt tokens each request took from the cache
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        """The figures as JSON-ready values (without the per-request list)."""
+        d = asdict(self)
+        del d["cached_per_request"]
+        return {**d, "hit_rate": self.hit_rate}
 
 
 def _outputs(trace: list[TraceRequest]) -> list[array]:
@@ -71,21 +79,30 @@ def total_pages(trace: list[TraceRequest], page_size: int) -> int:
     return sum(-(-(len(r.tokens) + r.num_output) // page_size) for r in trace)
 
 
+DEFAULT_CHUNK_SIZE = 512  # EngineConfig.chunked_prefill_size's default (a test keeps them equal)
+
+
 def replay(
     trace: list[TraceRequest],
     capacity_pages: int | None,
     page_size: int = 1,
     policy: str | EvictionPolicy = "lru",
     in_flight: int = 1,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> SimResult:
     """Replay ``trace`` with ``capacity_pages`` pages (None: unlimited).
 
     ``policy`` is a registered name or ``"belady"``. With ``in_flight`` > 1 a request
     stays locked until ``in_flight`` newer ones have arrived, so it neither shares its
-    own pages with them nor lets them be evicted.
+    own pages with them nor lets them be evicted. ``chunk_size`` is the engine's
+    prefill chunk (None: whole prompts): every chunk's whole pages are published as the
+    engine publishes them. A request that does not fit even with nothing else in
+    flight is rejected (what it computed stays cached, as in the engine).
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     if capacity_pages is None:
         capacity_pages = total_pages(trace, page_size) + 1
     if policy == "belady":
@@ -93,43 +110,50 @@ def replay(
     policy = make_policy(policy)
     allocator = PageAllocator(capacity_pages)
     tree = RadixCache(allocator, page_size, policy)
+    kv = KVCacheManager(allocator, tree, page_size)
     outputs = _outputs(trace)
-    running: deque = deque()
+    running: deque = deque()  # (seq, tokens) in flight, oldest first
     rejected = 0
+    cached = []
 
-    def finish():
-        full, table, node, req = running.popleft()
-        tree.insert(full, table, req.namespace, req.priority)
-        tree.unlock(node)
-        allocator.decref(table)
+    def finish_oldest() -> bool:
+        if not running:
+            return False
+        kv.release(*running.popleft())
+        return True
+
+    def compute(seq: SeqKV, tokens, upto: int, step: int) -> bool:
+        """Compute ``tokens[:upto]`` in steps of ``step`` tokens, as the engine would."""
+        while seq.computed < upto:
+            count = min(upto - seq.computed, step)
+            if not kv.reserve(seq, count, finish_oldest):
+                return False
+            kv.computed(seq, seq.computed + count)
+            if count > 1:  # a prefill chunk, not a decode step
+                kv.commit(seq, tokens)
+        return True
 
     for i, req in enumerate(trace):
         if isinstance(policy, Belady):
             policy.now = i
-        match = tree.match_prefix(req.tokens, req.namespace)
-        tree.lock(match.node)
-        full = req.tokens + outputs[i]
-        need = -(-len(full) // page_size) - len(match.pages)
-        while allocator.num_free() < need:
-            tree.evict(need - allocator.num_free())
-            if allocator.num_free() >= need or not running:
-                break
-            finish()
-        if allocator.num_free() < need:
-            tree.unlock(match.node)
+        tokens = req.tokens + outputs[i]
+        prompt = len(req.tokens)
+        seq = SeqKV(req.namespace, req.priority)
+        cached.append(kv.admit(seq, req.tokens))
+        # The last output token is sampled but never computed.
+        if not (compute(seq, tokens, prompt, chunk_size or prompt) and compute(seq, tokens, len(tokens) - 1, 1)):
+            kv.release(seq, tokens)
             rejected += 1
             continue
-        allocator.incref(match.pages)
-        table = np.concatenate([match.pages, allocator.alloc(need)])
-        running.append((full, table, match.node, req))
+        running.append((seq, tokens))
         if len(running) >= in_flight:
-            finish()
+            finish_oldest()
     while running:
-        finish()
-    tree.check_integrity(external_refs={})
+        finish_oldest()
+    kv.check([])
     return SimResult(
         policy.name, capacity_pages, page_size, in_flight, len(trace), rejected,
-        tree.queried_tokens, tree.hit_tokens, tree.evicted_pages, tree.cached_pages,
+        tree.queried_tokens, tree.hit_tokens, tree.evicted_pages, tree.cached_pages, tuple(cached),
     )  # fmt: skip
 
 
@@ -246,6 +270,7 @@ def sweep(
     capacity_pages: tuple[int, ...] | None = None,
     in_flight: int = 1,
     belady: bool = True,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> dict:
     """Replay every policy (and Belady) at every capacity, plus the unlimited bound.
 
@@ -254,14 +279,14 @@ def sweep(
     ``unique_pages``, ``unlimited`` (its result) and ``runs`` (one result per policy
     and capacity, with the ``capacity_fraction`` of the unique pages).
     """
-    unlimited = replay(trace, None, page_size, "lru", in_flight)
+    unlimited = replay(trace, None, page_size, "lru", in_flight, chunk_size)
     unique = unlimited.cached_pages
     if capacity_pages is None:
         capacity_pages = tuple(sorted({max(1, round(f * unique)) for f in fractions}))
     runs = []
     for name in (*policies, *(("belady",) if belady else ())):
         for cap in capacity_pages:
-            result = replay(trace, cap, page_size, name, in_flight)
+            result = replay(trace, cap, page_size, name, in_flight, chunk_size)
             runs.append({**result.as_dict(), "capacity_fraction": cap / unique if unique else 0.0})
     return {"unique_pages": unique, "unlimited": unlimited.as_dict(), "runs": runs}
 

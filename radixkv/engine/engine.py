@@ -19,6 +19,7 @@ from typing import AsyncIterator, Sequence
 import torch
 
 from radixkv.cache.pool import KVPool, PoolConfig
+from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.radix import RadixCache
 from radixkv.engine.constrain import Constraint, Grammar
 from radixkv.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, StreamChunk, new_rid
@@ -131,7 +132,7 @@ def _output(rid: str, children: list[Request]) -> RequestOutput:
         for c in children
     ]
     return RequestOutput(
-        rid, len(first.prompt_ids), first.cached_tokens or 0, outs,
+        rid, len(first.prompt_ids), first.kv.cached_tokens or 0, outs,
         first.prompt_logprobs if first.params.prompt_logprobs_from is not None else None,
         next((c.error for c in children if c.error), None), metrics,
         next((c.error_param for c in children if c.error), None),
@@ -161,7 +162,8 @@ class Engine:
         self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
         self.backend = get_backend(cfg.attention_backend, cfg.device, as_dtype(cfg.dtype))
         self.max_context = mc.max_position_embeddings
-        self.scheduler = Scheduler(self.pool, self.tree, cfg.max_batch_tokens, cfg.max_running,
+        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size)
+        self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
         self.grammar = Grammar(self.tokenizer, mc.vocab_size)  # compiles regex constraints
@@ -327,7 +329,7 @@ class Engine:
                 params=params,
                 sampler=SamplerState(params, ids, seed_offset=i),
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                namespace=namespace,
+                kv=SeqKV(namespace),
                 sink=(sink, i),
                 constraint=constraint if i == 0 or constraint is None else constraint.copy(),
             )
@@ -416,7 +418,7 @@ class Engine:
         """Stop ``reqs`` wherever they are (their computed pages still enter the cache)
         and report them finished with ``reason``."""
         for req in reqs:
-            self.scheduler.abort(req)
+            self.scheduler.remove(req)
             req.finish_reason, req.error = reason, error
             self._finish(req, flush=True)
 
@@ -525,7 +527,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             req.finish_reason = reason
-            self.scheduler.finish(req)
+            self.scheduler.remove(req)
             self._finish(req, flush=not cut)
         else:
             self._emit(req, hold=max(map(len, params.stop), default=1) - 1)
@@ -550,8 +552,7 @@ class Engine:
     def _flush(self) -> bool:
         if self.scheduler.has_work():
             return False
-        if self.tree is not None:
-            self.tree.evict(self.tree.cached_pages)
+        self.kv.flush()
         return True
 
     def _stats(self) -> dict:
@@ -570,10 +571,7 @@ class Engine:
         }
 
     def _check(self) -> None:
-        if self.tree is not None:
-            self.tree.check_integrity(external_refs=self.scheduler.owners())
-        else:
-            self.pool.check_integrity()
+        self.kv.check(self.scheduler.owners())
 
 
 class RequestStream:

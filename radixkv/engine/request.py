@@ -7,8 +7,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from radixkv.cache.manager import SeqKV
 from radixkv.engine.sampling import SamplerState, SamplingParams
 from radixkv.model.tokenizer import IncrementalDetokenizer
 
@@ -23,13 +22,12 @@ def new_rid() -> str:
 class Request:
     """One sequence being generated.
 
-    ``tokens`` is the prompt followed by what has been generated so far. KV exists in
-    the pool for ``tokens[:num_computed]``, in the pages of ``pages`` (the request holds
-    one reference on each); the tree node ``node`` is locked while the request uses
-    cached pages.
+    ``tokens`` is the prompt followed by what has been generated so far. ``kv`` is its
+    KV memory (page table, locked node, computed and published counts, cache namespace),
+    which only the ``KVCacheManager`` changes:
 
         tokens   |======= prompt =======|==== output ====|
-                 |== num_computed (KV in pages) ==|todo|
+                 |== kv.computed (KV in kv.pages) ==|todo|
     """
 
     rid: str
@@ -37,14 +35,9 @@ class Request:
     params: SamplingParams
     sampler: SamplerState
     detok: IncrementalDetokenizer
-    namespace: str | None = None
-    priority: int = 0
+    kv: SeqKV = field(default_factory=SeqKV)
     tokens: array = field(default_factory=lambda: array("i"))
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    pages: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    node: object = None
-    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
     error: str | None = None
     error_param: str | None = None  # the request field at fault when ``error`` is the client's doing
