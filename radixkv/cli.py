@@ -1,4 +1,4 @@
-"""Command line: ``radixkv serve | demo | sim``.
+"""Command line: ``radixkv serve | bench | demo | sim``.
 
     radixkv serve [--model M --port P ...]  the HTTP runtime (``radixkv serve --help``)
     radixkv bench [--scale small]           end-to-end workloads vs peers (source checkout)

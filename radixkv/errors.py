@@ -17,3 +17,13 @@ class IntegrityError(RuntimeError):
 class ModelLoadError(ValueError):
     """A model, tokenizer or template could not be loaded: the message names the file
     and what is wrong with it (missing, unsupported architecture or quantization)."""
+
+
+class FieldError(ValueError):
+    """A value a caller gave is not allowed. ``field`` names it as radixkv's Python API
+    spells it (the HTTP layer maps it to the request's ``param`` without reading the
+    message); the message names the field, the allowed range and what came."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field

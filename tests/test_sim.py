@@ -128,7 +128,7 @@ def test_jsonl_round_trip(tmp_path):
     "line, message",
     [
         ("{not json", r"bad.jsonl:2: not valid JSON"),
-        ('{"text": "hello"}', "'text' needs a tokenizer"),
+        ('{"text": "hello"}', "'text' needs the model's tokenizer"),
         ('{"tokens": []}', "'tokens' must not be empty"),
         ('{"tokens": [1, "a"]}', "'tokens' must be a list of integer"),
         ('{"tokens": [1], "output_tokens": -1}', "'output_tokens' must be"),
@@ -171,7 +171,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "hi"}\n')
     assert main(["sim", str(bad)]) == 2
-    assert "needs a tokenizer" in capsys.readouterr().err
+    assert "needs the model's tokenizer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["sim", "--workload", "few_shot", "--policy", "mru"])
     assert "unknown policy 'mru'" in capsys.readouterr().err

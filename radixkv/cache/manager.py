@@ -35,6 +35,7 @@ import numpy as np
 
 from radixkv.cache.pool import PageAllocator, PageIds
 from radixkv.cache.radix import Node, RadixCache
+from radixkv.validate import ceil_div
 
 _EMPTY = np.empty(0, dtype=np.int32)
 
@@ -84,7 +85,7 @@ class KVCacheManager:
 
     def pages_needed(self, seq: SeqKV, count: int) -> int:
         """More pages ``seq`` needs to compute ``count`` more tokens. Does not mutate."""
-        return -(-(seq.computed + count) // self.page_size) - len(seq.pages)
+        return ceil_div(seq.computed + count, self.page_size) - len(seq.pages)
 
     # -- the lifecycle ---------------------------------------------------------------------
 

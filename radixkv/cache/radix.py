@@ -13,7 +13,8 @@ Representation, chosen so that the hot paths run in C:
 - candidates for eviction live in a lazy heap: ``match_prefix`` and ``insert`` only
   stamp the deepest node they reach, a removed leaf folds its statistics into its
   parent, and stale heap entries are re-keyed when they surface. Walks touch each node
-  on the path once, and no operation scans the whole tree;
+  on the path once, and no operation a request makes scans the whole tree (only
+  ``check_integrity`` and ``nodes`` do);
 - which pages the tree holds is one bool per pool page, so ``insert`` checks the pages
   it is about to take (held already? listed twice?) in a few vectorised calls;
 - a namespace has a stored root only while it holds a node: the root goes when

@@ -31,6 +31,7 @@ from radixkv.cache.policy import EvictionPolicy, make_policy
 from radixkv.cache.pool import PageAllocator
 from radixkv.cache.radix import Node, RadixCache
 from radixkv.cache.traces import VOCAB, TraceRequest
+from radixkv.validate import ceil_div
 
 NEVER = math.inf
 
@@ -76,7 +77,7 @@ def _outputs(trace: list[TraceRequest]) -> list[array]:
 
 def total_pages(trace: list[TraceRequest], page_size: int) -> int:
     """Pages every request would hold alone: enough capacity never to evict."""
-    return sum(-(-(len(r.tokens) + r.num_output) // page_size) for r in trace)
+    return sum(ceil_div(len(r.tokens) + r.num_output, page_size) for r in trace)
 
 
 DEFAULT_CHUNK_SIZE = 512  # EngineConfig.chunked_prefill_size's default (a test keeps them equal)

@@ -52,7 +52,7 @@ def parse_request(obj, where: str = "request") -> TraceRequest:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     if "tokens" not in obj:
         if "text" in obj:
-            raise ValueError(f"{where}: 'text' needs a tokenizer, which radixkv does not have yet; give 'tokens'")
+            raise ValueError(f"{where}: 'text' needs the model's tokenizer, which radixkv sim does not load; give 'tokens'")
         raise ValueError(f"{where}: 'tokens' is required")
     tokens = _int_list(obj["tokens"], where, "tokens")
     if not tokens:

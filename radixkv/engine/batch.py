@@ -15,6 +15,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from radixkv.validate import ceil_div
+
 
 class SeqInput(NamedTuple):
     """One sequence of a batch: ``new_tokens`` follow ``num_cached`` tokens whose KV
@@ -61,7 +63,7 @@ class ForwardBatch:
                 raise ValueError(f"sequence {i}: num_cached must be >= 0, got {s.num_cached}")
             total = s.num_cached + n
             pages = np.asarray(s.pages, dtype=np.int32)
-            need = -(-total // page_size)
+            need = ceil_div(total, page_size)
             if len(pages) < need:
                 raise ValueError(f"sequence {i}: pages holds {len(pages)} ids, {total} tokens need {need}")
             pages = pages[:need]

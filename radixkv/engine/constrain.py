@@ -33,6 +33,8 @@ import threading
 import numpy as np
 import torch
 
+from radixkv.errors import FieldError
+
 MAX_PATTERN_CHARS = 1000
 MAX_REPEAT = 4_000  # a{n}, (a{m}){n}: at most this many repeats, nested ones multiplied
 # llguidance's limits for one matcher. Fuel: ~50k units/ms building, ~14k/ms per step;
@@ -48,18 +50,18 @@ def check_regex(pattern: object) -> None:
     import llguidance
 
     if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"regex must be a non-empty str, got {pattern!r}")
+        raise FieldError("regex", f"regex must be a non-empty str, got {pattern!r}")
     if len(pattern) > MAX_PATTERN_CHARS:
-        raise ValueError(f"regex must be at most {MAX_PATTERN_CHARS} characters, got {len(pattern)}")
+        raise FieldError("regex", f"regex must be at most {MAX_PATTERN_CHARS} characters, got {len(pattern)}")
     largest = _largest_repeat(pattern)
     if largest > MAX_REPEAT:
-        raise ValueError(f"regex repeats at most {MAX_REPEAT} times ({{m,n}}), got {largest}")
+        raise FieldError("regex", f"regex repeats at most {MAX_REPEAT} times ({{m,n}}), got {largest}")
     grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=llguidance.LLParserLimits(**LIMITS)
     )
     if failed:
-        raise ValueError(f"regex {_short(pattern)} does not compile: {' '.join(messages[0].split())[:300]}")
+        raise FieldError("regex", f"regex {_short(pattern)} does not compile: {' '.join(messages[0].split())[:300]}")
 
 
 def _largest_repeat(pattern: str) -> int:
@@ -138,7 +140,7 @@ class Grammar:
         constraint = Constraint(matcher, self.vocab_size)
         constraint.allowed()  # builds the lexer's start: the costly part of a large pattern
         if constraint.error is not None:
-            raise ValueError(f"regex {_short(regex)} cannot be used: {constraint.error.splitlines()[0]}")
+            raise FieldError("regex", f"regex {_short(regex)} cannot be used: {constraint.error.splitlines()[0]}")
         return constraint
 
 

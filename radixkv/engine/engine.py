@@ -30,6 +30,7 @@ from radixkv.model.chat_template import ChatTemplate
 from radixkv.model.loader import as_dtype, load_model
 from radixkv.model.registry import DEFAULT_MODEL, resolve_model
 from radixkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from radixkv.validate import ceil_div, check_int, check_optional_int, is_int
 
 logger = logging.getLogger("radixkv.engine")
 
@@ -58,13 +59,9 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("page_size", "max_batch_tokens", "max_running"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+            check_optional_int(name, getattr(self, name), 1)
         if self.kv_cache_tokens is not None and self.memory_bytes is not None:
             raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
         as_dtype(self.dtype)
@@ -155,7 +152,7 @@ class Engine:
         pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                         page_size=cfg.page_size, dtype=as_dtype(cfg.dtype), device=cfg.device)  # fmt: skip
         if cfg.kv_cache_tokens is not None:
-            pool_cfg["num_pages"] = -(-cfg.kv_cache_tokens // cfg.page_size)
+            pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
         else:
             pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
         self.pool = KVPool(PoolConfig(**pool_cfg))
@@ -342,7 +339,7 @@ class Engine:
         vocabulary, shorter than the context and the pool. Raises ValueError/TypeError."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
         else:
             raise TypeError("a prompt must be a string or a list of token ids")

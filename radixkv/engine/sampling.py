@@ -35,6 +35,9 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from radixkv.errors import FieldError
+from radixkv.validate import check_bool, check_float, check_int, is_int, token_list
+
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -46,47 +49,6 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 # ---------------------------------------------------------------- validation helpers
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_int(name: str, v: object, lo: int, hi: int | None = None) -> None:
-    rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-    if not _is_int(v):
-        raise ValueError(f"{name} must be an int {rng}, got {v!r} ({type(v).__name__})")
-    if v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name} must be {'in ' if hi is not None else ''}{rng}, got {v}")
-
-
-def _check_float(name: str, v: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    if not _is_number(v):
-        raise ValueError(f"{name} must be a number in {rng}, got {v!r} ({type(v).__name__})")
-    f = float(v)
-    ok = (lo < f if lo_open else lo <= f) and f <= hi  # False for NaN
-    if not ok:
-        raise ValueError(f"{name} must be in {rng}, got {v}")
-    return f
-
-
-def _check_bool(name: str, v: object) -> None:
-    if not isinstance(v, bool):
-        raise ValueError(f"{name} must be a bool (True or False), got {v!r} ({type(v).__name__})")
-
-
-def _token_list(ids: object) -> list[int]:
-    """Token ids from a list/tuple/array('i')/NumPy array/1-D tensor, as Python ints."""
-    if isinstance(ids, torch.Tensor):
-        return [int(t) for t in ids.reshape(-1).tolist()]
-    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # NumPy, array('i')
-        return [int(t) for t in ids.tolist()]
-    return [int(t) for t in ids]  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- parameters
@@ -132,35 +94,35 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         setf = object.__setattr__
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        setf(self, "temperature", _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE))
-        setf(self, "top_p", _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True))
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r} ({type(self.top_k).__name__})"
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        setf(self, "temperature", check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE))
+        setf(self, "top_p", check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise FieldError(
+                "top_k", f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r} ({type(self.top_k).__name__})"
             )
-        setf(self, "min_p", _check_float("min_p", self.min_p, 0.0, 1.0))
+        setf(self, "min_p", check_float("min_p", self.min_p, 0.0, 1.0))
         setf(
             self,
             "repetition_penalty",
-            _check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True),
+            check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True),
         )
-        setf(self, "frequency_penalty", _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
-        setf(self, "presence_penalty", _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        setf(self, "frequency_penalty", check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        setf(self, "presence_penalty", check_float("presence_penalty", self.presence_penalty, -2.0, 2.0))
         if self.seed is not None:
-            if not _is_int(self.seed) or not (_SEED_MIN <= self.seed <= _SEED_MAX):
-                raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
+            if not is_int(self.seed) or not (_SEED_MIN <= self.seed <= _SEED_MAX):
+                raise FieldError("seed", f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
         setf(self, "stop", self._normalise_stop(self.stop))
         setf(self, "stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
-        _check_bool("ignore_eos", self.ignore_eos)
-        _check_int("n", self.n, 1, MAX_N)
-        _check_bool("logprobs", self.logprobs)
-        _check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_int("n", self.n, 1, MAX_N)
+        check_bool("logprobs", self.logprobs)
+        check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.top_logprobs > 0 and not self.logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
+            raise FieldError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=True")
         if self.prompt_logprobs_from is not None:
-            _check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
+            check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
         if self.regex is not None:
             from radixkv.engine.constrain import check_regex
 
@@ -173,12 +135,12 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+            raise FieldError("stop", f"stop must be a str or a list of str, got {type(stop).__name__}")
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+            raise FieldError("stop", f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop[{i}] must be a non-empty str, got {s!r}")
+                raise FieldError("stop", f"stop[{i}] must be a non-empty str, got {s!r}")
         return tuple(stop)
 
     @staticmethod
@@ -186,12 +148,12 @@ class SamplingParams:
         if ids is None:
             return ()
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {type(ids).__name__}")
+            raise FieldError("stop_token_ids", f"stop_token_ids must be a list of ints >= 0, got {type(ids).__name__}")
         if len(ids) > MAX_STOP_TOKEN_IDS:  # checked against every generated token
-            raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+            raise FieldError("stop_token_ids", f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         for i, t in enumerate(ids):
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids[{i}] must be an int >= 0, got {t!r}")
+            if not is_int(t) or t < 0:
+                raise FieldError("stop_token_ids", f"stop_token_ids[{i}] must be an int >= 0, got {t!r}")
         return tuple(ids)
 
     @property
@@ -281,10 +243,10 @@ class SamplerState:
     def __init__(self, params: SamplingParams, prompt_ids: Iterable[int] | torch.Tensor = (), seed_offset: int = 0):
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        _check_int("seed_offset", seed_offset, 0)
+        check_int("seed_offset", seed_offset, 0)
         self.params = params
         self.seed_offset = seed_offset
-        ids = _token_list(prompt_ids)
+        ids = token_list(prompt_ids)
         if ids and min(ids) < 0:
             raise ValueError(f"prompt_ids must be ints >= 0, got {min(ids)}")
         self.prompt_len = len(ids)

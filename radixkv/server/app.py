@@ -41,6 +41,7 @@ from radixkv.engine.request import RequestOutput, StreamChunk
 from radixkv.errors import IntegrityError
 from radixkv.server import protocol as P
 from radixkv.server.metrics import CONTENT_TYPE, Metrics
+from radixkv.validate import check_int
 
 logger = logging.getLogger("radixkv.server")
 JSON = [(b"content-type", b"application/json")]
@@ -63,9 +64,7 @@ class ServerConfig:
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_fanout"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if not self.graceful_shutdown_seconds >= 0:
             raise ValueError(f"graceful_shutdown_seconds must be >= 0, got {self.graceful_shutdown_seconds!r}")
 

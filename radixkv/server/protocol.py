@@ -14,6 +14,8 @@ import msgspec
 from msgspec import Struct
 
 from radixkv.engine.sampling import SamplingParams
+from radixkv.errors import FieldError
+from radixkv.validate import is_int
 
 MAX_SALT_CHARS = 256  # a cache salt (body cache_salt or X-Cache-Salt header)
 
@@ -135,7 +137,7 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
     if isinstance(p, str):
         return [p]
-    if p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if p and all(is_int(t) for t in p):
         return [p]
     if p and all(isinstance(x, str) or (isinstance(x, list) and all(type(t) is int for t in x)) for x in p):
         return list(p)
@@ -157,14 +159,14 @@ def sampling_params(fields: dict, names: dict[str, str] | None = None, prefix: s
         field = str(e).rsplit("'", 2)[-2] if "'" in str(e) else None
         raise ApiError(400, f"unknown sampling parameter {field!r}" if field else str(e),
                        prefix + (field or ""))  # fmt: skip
-    except ValueError as e:
+    except FieldError as e:  # the field is data; the message starts with our name for it
+        theirs = names.get(e.field, e.field)
         message = str(e)
-        ours = message.split(" ", 1)[0]
-        if ours in fields:
-            theirs = names.get(ours, ours)
-            return_msg = theirs + message[len(ours) :]
-            raise ApiError(400, return_msg, prefix + theirs) from None
-        raise ApiError(400, message) from None
+        if message.startswith(e.field):
+            message = theirs + message[len(e.field) :]
+        raise ApiError(400, message, prefix + theirs) from None
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def openai_fields(req: _Sampling) -> dict:
