@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_result  # noqa: E402
-from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
+from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
 
 BACKENDS = ("torch", "triton", "flashinfer")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import transformers_decode_seconds, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
-from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
+from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
 from radixkv.model import load_model, resolve_model  # noqa: E402
 

@@ -5,7 +5,7 @@ these pieces. Run: .venv/bin/python examples/paged_generate.py
 """
 
 from radixkv.cache import KVPool, PoolConfig
-from radixkv.engine.batch import ForwardBatch, SeqInput
+from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.model import load_model, resolve_model
 from radixkv.model.tokenizer import Tokenizer, IncrementalDetokenizer
 from radixkv.model.chat_template import ChatTemplate

@@ -2,7 +2,7 @@
 
 This package imports nothing from the rest of radixkv. A backend works on one
 ragged batch described in FlashInfer's CSR convention by any object with these
-attributes (``radixkv.engine.batch.ForwardBatch`` is one):
+attributes (``radixkv.model.batch.ForwardBatch`` is one):
 
     qo_indptr [B+1] int32, kv_indptr [B+1] int32, kv_indices [nnz] int32,
     kv_last_page_len [B] int32, out_slots [T] int64,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radixkv.cache import PageAllocator
-from radixkv.engine.batch import ForwardBatch, SeqInput
+from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.kernels import get_backend
 
 
@@ -136,6 +136,20 @@ def test_auto_follows_the_kv_device_and_dtype():
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         get_backend("cudnn")
+
+
+def test_positions_are_kept_apart_from_kv_indices():
+    """A sequence may attend to fewer KV entries than its position says (long-context
+    eviction): RoPE positions come from ``positions``, KV slots from ``num_cached``."""
+    pages = np.array([7, 2], dtype=np.int32)
+    b = ForwardBatch.build([SeqInput([5, 6], 3, pages, positions=[10, 11])], page_size=4)
+    assert b.positions.tolist() == [10, 11]
+    assert b.out_slots.tolist() == [7 * 4 + 3, 2 * 4 + 0]  # KV entries 3 and 4
+    assert b.seq_lens == (5,) and b.kv_last_page_len.tolist() == [1]
+    default = ForwardBatch.build([SeqInput([5, 6], 3, pages)], page_size=4)
+    assert default.positions.tolist() == [3, 4] and default.out_slots.tolist() == b.out_slots.tolist()
+    with pytest.raises(ValueError, match="sequence 0: positions must be 2 ints >= 0"):
+        ForwardBatch.build([SeqInput([5, 6], 3, pages, positions=[1])], 4)
 
 
 def test_batch_metadata_follows_the_csr_convention():

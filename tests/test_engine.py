@@ -170,7 +170,7 @@ def test_logprobs_and_prompt_logprobs(engine):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     with torch.no_grad():  # reference: the model's full-prompt logits
         from radixkv.cache import KVPool, PoolConfig
-        from radixkv.engine.batch import ForwardBatch, SeqInput
+        from radixkv.model.batch import ForwardBatch, SeqInput
 
         m = engine.model
         c = m.config

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("the flashinfer backend needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("flashinfer", reason="flashinfer-python is not installed (pip install 'radixkv[gpu]')")
 
-from radixkv.engine.batch import ForwardBatch, SeqInput  # noqa: E402
+from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels.flashinfer_backend import FlashInferBackend, window_left  # noqa: E402
 from radixkv.kernels.torch_ref import TorchBackend  # noqa: E402
 

@@ -159,7 +159,7 @@ def total_logprob(engine: Engine, ids: list[int], start: int) -> float:
     """Sum of log p(ids[t] | ids[:t]) for t >= start, from one full forward of the
     engine's model on a private pool (no cache, no sampler)."""
     from radixkv.cache import KVPool, PoolConfig
-    from radixkv.engine.batch import ForwardBatch, SeqInput
+    from radixkv.model.batch import ForwardBatch, SeqInput
 
     c = engine.model.config
     pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, PAGE, num_pages=-(-len(ids) // PAGE)))

@@ -79,7 +79,7 @@ def test_float32_greedy_equals_transformers_on_the_gpu(backend, prompts, referen
 @pytest.mark.parametrize("backend", half_backends())
 def test_bfloat16_backends_stay_close_to_float32(backend, prompts):
     from radixkv.cache import KVPool, PoolConfig
-    from radixkv.engine.batch import ForwardBatch, SeqInput
+    from radixkv.model.batch import ForwardBatch, SeqInput
     from radixkv.kernels import get_backend
     from radixkv.model import load_model
 

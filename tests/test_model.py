@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.common import FIDELITY_CHATS as CHATS
 from radixkv.cache import KVPool, PoolConfig
-from radixkv.engine.batch import ForwardBatch, SeqInput
+from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.model import load_model, load_state_dict, resolve_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -148,3 +148,21 @@ def test_triton_backend_runs_the_real_model_like_torch(model, hf_tok):
     for a, b in zip(results["torch"], results["triton"]):
         assert (a - b).abs().max() < 1e-4
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_rope_takes_the_given_positions_not_the_kv_index(model, hf_tok):
+    """Two new tokens at positions (10, 11) instead of (0, 1) give the same logits (RoPE
+    depends on the distance only); at (0, 5) different ones: the positions reach RoPE
+    while the K/V go to KV entries 0 and 1 either way."""
+    ids = hf_tok("The sea").input_ids[:2]
+
+    def logits(positions):
+        pool = new_pool(model)
+        table = pool.alloc(1)
+        out = model.forward(ForwardBatch.build([SeqInput(ids, 0, table, positions)], 4), pool, all_logits=True)
+        pool.decref(table)
+        return out
+
+    base = logits(None)
+    assert (logits([10, 11]) - base).abs().max() < 1e-3
+    assert (logits([0, 5])[1] - base[1]).abs().max() > 1e-2

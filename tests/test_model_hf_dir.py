@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixkv.cache import KVPool, PoolConfig
-from radixkv.engine.batch import ForwardBatch, SeqInput
+from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.errors import ModelLoadError
 from radixkv.model import load_model, resolve_model
 

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from radixkv.cache.manager import KVCacheManager
-from radixkv.engine.batch import ForwardBatch, SeqInput
+from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.engine.request import Request
 
 CACHE_AWARE_QUEUE_LIMIT = 128  # beyond this many waiting requests, plain FCFS

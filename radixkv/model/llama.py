@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.cache.pool import KVPool
-from radixkv.engine.batch import ForwardBatch
+from radixkv.model.batch import ForwardBatch
 from radixkv.kernels import AttentionBackend, get_backend
 from radixkv.model.config import ModelConfig
 

@@ -19,18 +19,24 @@ from radixkv.validate import ceil_div
 
 
 class SeqInput(NamedTuple):
-    """One sequence of a batch: ``new_tokens`` follow ``num_cached`` tokens whose KV
-    is in the pool; ``pages`` is its page table, covering cached + new tokens."""
+    """One sequence of a batch: ``new_tokens`` follow ``num_cached`` KV entries already
+    in its pages; ``pages`` is its page table, covering those and the new tokens.
+
+    ``positions`` are the new tokens' positions in the sequence (what RoPE sees), kept
+    apart from where their KV goes: by default ``num_cached, num_cached + 1, ...``; a
+    sequence that keeps only part of its past (long-context eviction) has fewer KV
+    entries than its position says."""
 
     new_tokens: Sequence[int]
     num_cached: int
     pages: np.ndarray  # int32
+    positions: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64, device: the new tokens of all sequences, in order
-    positions: torch.Tensor  # [T] int64, device: each new token's position in its sequence
+    positions: torch.Tensor  # [T] int64, device: each new token's position in its sequence (RoPE), not its KV index
     qo_indptr: torch.Tensor  # [B+1] int32, device: new tokens of sequence i are qo_indptr[i]:qo_indptr[i+1]
     kv_indptr: torch.Tensor  # [B+1] int32, device: pages of sequence i are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
     kv_indices: torch.Tensor  # [nnz] int32, device: page ids
@@ -67,12 +73,18 @@ class ForwardBatch:
             if len(pages) < need:
                 raise ValueError(f"sequence {i}: pages holds {len(pages)} ids, {total} tokens need {need}")
             pages = pages[:need]
-            pos = np.arange(s.num_cached, total, dtype=np.int64)
+            kv_index = np.arange(s.num_cached, total, dtype=np.int64)  # where the new K/V go
+            if s.positions is None:
+                pos = kv_index
+            else:
+                pos = np.asarray(s.positions, dtype=np.int64)
+                if pos.shape != (n,) or (n and pos.min() < 0):
+                    raise ValueError(f"sequence {i}: positions must be {n} ints >= 0 (one per new token)")
             qo_lens.append(n)
             seq_lens.append(total)
             ids.append(np.asarray(s.new_tokens, dtype=np.int64))
             positions.append(pos)
-            slots.append(pages[pos // page_size].astype(np.int64) * page_size + pos % page_size)
+            slots.append(pages[kv_index // page_size].astype(np.int64) * page_size + kv_index % page_size)
             tables.append(pages)
         kv_counts = [len(t) for t in tables]
 
