@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
+
+from radixkv.workloads.bench import write_result  # noqa: F401 (one implementation, shared)
 
 # The fidelity chats: greedy continuations of these are compared token for token with
 # transformers (tests/test_model.py on the CPU, tests/test_gpu.py and bench_gpu_model.py
@@ -23,19 +20,6 @@ FIDELITY_CHATS = [
     [{"role": "user", "content": "Explain recursion to a child in one sentence."}],
     [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. »"}],
 ]  # fmt: skip
-
-
-def write_result(path: str | Path, rows, **meta) -> None:
-    """Write ``{"meta": {date, machine, **meta}, "rows": rows}`` as JSON and say where."""
-    info = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        **meta,
-    }
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": info, "rows": rows}, indent=2) + "\n")
-    print(f"\nwrote {out}")
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@
     radixkv bench [--scale small]           end-to-end workloads vs peers (source checkout)
     radixkv demo                         hit-rate simulation of the built-in workloads
     radixkv sim TRACE.jsonl [options]    replay your own trace, sweep capacities, plot
-    radixkv sim --workload mixed         the same on a built-in workload
+    radixkv sim --workload mixed         the same on a built-in workload (rag, agent: the bench's programs)
 
 Defaults come from ``SimConfig``.
 """
@@ -68,6 +68,9 @@ def _positive(text: str) -> int:
     return value
 
 
+PROGRAM_WORKLOADS = ("rag", "agent")  # radixkv.workloads programs, traced with the model's tokenizer
+
+
 def build_parser() -> argparse.ArgumentParser:
     from radixkv.cache.traces import WORKLOADS
 
@@ -90,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
 
     bench = sub.add_parser(
-        "bench", help="end-to-end benchmark: SGLang-paper workloads on radixkv and its peers (source checkout)",
-        description="Runs benchmarks/bench_e2e.py (a small scale by default: minutes, not hours) and prints "
-        "per-workload throughput, TTFT and hit rates for radixkv, radixkv without its prefix cache, HF "
-        "transformers request by request, and llama.cpp's server when installed.",
+        "bench", help="end-to-end benchmark: SGLang-paper workloads on radixkv (and its peers in a source checkout)",
+        description="Runs the SGLang-paper workloads (a small scale by default: minutes, not hours) and prints "
+        "per-workload throughput, TTFT and hit rates for radixkv and radixkv without its prefix cache; in a "
+        "source checkout also HF transformers request by request, and llama.cpp's server when installed.",
     )  # fmt: skip
     bench.add_argument("--scale", choices=("tiny", "small", "full"), default="small", help="workload sizes (default small)")
     bench.add_argument("--workloads", help="comma-separated subset of few_shot,multi_turn,branching,rag,agent")
@@ -103,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")
     src = sim.add_mutually_exclusive_group(required=True)
     src.add_argument("trace", nargs="?", help="JSONL trace, one request a line: {\"tokens\": [...], ...}")
-    src.add_argument("--workload", choices=sorted(WORKLOADS), help="a built-in synthetic workload instead")
+    src.add_argument("--workload", choices=sorted({*WORKLOADS, *PROGRAM_WORKLOADS}),
+                     help="a built-in workload instead: synthetic token streams, or rag / agent (the programs "
+                          "`radixkv bench` runs, with the model's tokenizer and chat template)")  # fmt: skip
     sim.add_argument("--seed", type=int, default=0, help="seed of the built-in workload (default 0)")
     sim.add_argument("--page-size", type=_positive, default=d.page_size, help=f"tokens per page (default {d.page_size})")
     cap = sim.add_mutually_exclusive_group()
@@ -133,6 +138,11 @@ def cmd_sim(args) -> int:
     if args.trace:
         trace = traces.load_jsonl(args.trace)
         title = Path(args.trace).name
+    elif args.workload in PROGRAM_WORKLOADS:
+        from radixkv import workloads
+
+        trace = workloads.trace(workloads.make(args.workload, args.seed))
+        title = f"{args.workload} program (seed {args.seed})"
     else:
         trace = traces.synthetic(args.workload, args.seed)
         title = f"{args.workload} (seed {args.seed})"
@@ -157,18 +167,19 @@ def cmd_sim(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "bench_e2e.py").exists():
-        raise ValueError("radixkv bench needs the benchmarks/ folder of a source checkout (clone the project and "
-                         "pip install -e it); there is none beside this installation")  # fmt: skip
-    sys.path.insert(0, str(root))
-    from benchmarks import bench_e2e
+    from radixkv.workloads import bench
 
     argv = ["--scale", args.scale, "--out", args.out]
     for flag in ("workloads", "systems"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]
-    return bench_e2e.main(argv)
+    root = Path(__file__).resolve().parent.parent
+    if (root / "benchmarks" / "bench_e2e.py").exists():  # a source checkout: the peers too
+        sys.path.insert(0, str(root))
+        from benchmarks import bench_e2e
+
+        return bench_e2e.main(argv)
+    return bench.main(argv)
 
 
 def cmd_serve(args) -> int:

@@ -30,3 +30,19 @@ def test_paged_generate_example_runs():
     )
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.split()) >= 3  # some words of an answer
+
+
+def test_the_wheel_carries_what_bench_and_sim_need(tmp_path):
+    """radixkv bench and radixkv sim --workload rag|agent run from the installed package:
+    the workload programs, the recorder and the bench core are in the wheel, the peers
+    (benchmarks/) are not."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    (wheel,) = tmp_path.glob("radixkv-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("workloads/__init__.py", "workloads/programs.py", "workloads/recorder.py", "workloads/bench.py",
+                   "cache/manager.py", "model/batch.py", "validate.py", "kernels/cpu_decode.c"):  # fmt: skip
+        assert f"radixkv/{module}" in names, module
+    assert not any(n.startswith("benchmarks/") for n in names)

@@ -4,15 +4,10 @@ small end-to-end run against radixkv (no timing assertions)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import bench_e2e  # noqa: E402
-from benchmarks import workloads as W  # noqa: E402
+from radixkv import workloads as W
+from radixkv.workloads import bench
 
 
 @pytest.mark.parametrize("name", list(W.WORKLOADS))
@@ -60,7 +55,7 @@ def test_multi_turn_prompts_grow_by_whole_turns(tmp_path):
 
 
 def test_small_end_to_end_run_against_radixkv(tmp_path, capsys):
-    assert bench_e2e.main(["--scale", "tiny", "--systems", "radixkv", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--scale", "tiny", "--systems", "radixkv", "--out", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "bench_e2e.json").read_text())
     rows = {r["workload"]: r for r in out["rows"]}
     assert set(rows) == set(W.WORKLOADS)
@@ -80,7 +75,9 @@ def test_workload_names_are_checked():
     with pytest.raises(ValueError, match="unknown workload"):
         W.make("nope")
     with pytest.raises(SystemExit):
-        bench_e2e.main(["--systems", "vllm"])
+        bench.main(["--systems", "vllm"])
+    with pytest.raises(SystemExit):  # the peers exist only where benchmarks/bench_e2e.py adds them
+        bench.main(["--systems", "transformers"])
 
 
 def test_radixkv_bench_command_runs_the_small_benchmark(tmp_path, capsys):
@@ -89,3 +86,15 @@ def test_radixkv_bench_command_runs_the_small_benchmark(tmp_path, capsys):
     assert main(["bench", "--scale", "tiny", "--systems", "radixkv", "--workloads", "few_shot",
                  "--out", str(tmp_path)]) == 0  # fmt: skip
     assert "== few_shot" in capsys.readouterr().out and (tmp_path / "bench_e2e.json").exists()
+
+
+def test_the_program_workloads_replay_in_radixkv_sim(tmp_path, capsys):
+    """rag and agent, the bench's programs, traced with the model's tokenizer: no checkout needed."""
+    from radixkv.cli import main
+
+    assert main(["sim", "--workload", "agent", "--capacity", "0.5", "--no-belady", "--policy", "lru",
+                 "--export-trace", str(tmp_path / "agent.jsonl")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "agent program (seed 0)" in out and (tmp_path / "agent.jsonl").stat().st_size > 0
+    lines = (tmp_path / "agent.jsonl").read_text().splitlines()
+    assert len(lines) == len(W.make("agent").runs) * (W.FULL.agent_steps + 1)  # one request per gen call

@@ -11,8 +11,7 @@ seed gives the same prompts (on the same Python version: the docstrings are its 
     rag         a shared instruction + top-3 of 30 documents for each question
     agent       ReAct-style loops: each step appends a tool observation to the prompt
 
-``export_trace`` runs a workload against a recording backend (real tokenizer and chat
-template, placeholder outputs, no model) and writes a JSONL trace for ``radixkv sim``.
+``radixkv.workloads.recorder`` turns a workload into a trace for ``radixkv sim``.
 """
 
 from __future__ import annotations
@@ -20,19 +19,14 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import json
 import random
 import re
-import sys
 import warnings
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from radixkv.frontend import assistant, function, gen, system, user  # noqa: E402
-from radixkv.frontend.backends import Backend, CallResult, Delta  # noqa: E402
+from radixkv.frontend import assistant, function, gen, system, user
+from radixkv.frontend.backends import Backend
 
 DOC_MODULES = (
     "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "concurrent.futures",
@@ -263,78 +257,3 @@ def make(name: str, seed: int = 0, scale: Scale = FULL) -> Workload:
 def run(workload: Workload, backend: Backend, threads: int | None = None) -> list:
     """Run every program of the workload through the frontend; states in order."""
     return workload.program.run_batch(workload.runs, backend=backend, num_threads=threads or workload.threads)
-
-
-# -- traces for `radixkv sim` ----------------------------------------------------------------------
-
-
-class RecordingBackend(Backend):
-    """No model: real tokenizer and chat template, and ``max_new_tokens`` placeholder
-    output tokens per call (distinct per call, so they never falsely share a prefix).
-    Records every call as a trace request."""
-
-    def __init__(self, tokenizer, chat_template, max_context: int = 8192):
-        import threading
-
-        self.tokenizer, self.template = tokenizer, chat_template
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        self.max_context = max_context
-        self.requests: list[dict] = []
-        self._lock = threading.Lock()
-
-    def tokenize(self, text, add_special_tokens=False, split_special_tokens=False):
-        return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
-
-    def render_chat(self, messages, add_generation_prompt):
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
-
-    def generate(self, prompts, params):
-        out = []
-        for prompt in prompts:
-            n = params.get("max_new_tokens", 1)
-            with self._lock:
-                k = len(self.requests)
-                ids = [1000 + (k * 7919 + j * 104729) % 40000 for j in range(n)]  # placeholders: plain word pieces
-                self.requests.append({"tokens": list(prompt), "output_tokens": ids})
-            out.append(CallResult(self.tokenizer.decode(ids), ids, len(prompt), 0, "length"))
-        return out
-
-    def stream(self, prompt, params):
-        (result,) = self.generate([prompt], params)
-        yield Delta(result.text, result.token_ids)
-        yield result
-
-
-def export_trace(workload: Workload, path: str | Path) -> int:
-    """Write the workload's requests as a `radixkv sim` JSONL trace; returns the count.
-    Runs are replayed one at a time (``threads=1``) so the trace order is fixed."""
-    from radixkv.model import resolve_model
-    from radixkv.model.chat_template import ChatTemplate
-    from radixkv.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.load(resolve_model())
-    backend = RecordingBackend(tok, ChatTemplate.from_tokenizer(tok))
-    run(replace(workload, threads=1), backend, threads=1)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for r in backend.requests:
-            f.write(json.dumps(r) + "\n")
-    return len(backend.requests)
-
-
-def main(argv=None) -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="export a workload as a radixkv sim trace")
-    ap.add_argument("workload", choices=sorted(WORKLOADS))
-    ap.add_argument("out", help="JSONL path")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", choices=("full", "small", "tiny"), default="full")
-    args = ap.parse_args(argv)
-    scale = {"full": FULL, "small": SMALL, "tiny": TINY}[args.scale]
-    n = export_trace(make(args.workload, args.seed, scale), args.out)
-    print(f"wrote {n} requests to {args.out}; replay: radixkv sim {args.out}")
-
-
-if __name__ == "__main__":
-    main()
