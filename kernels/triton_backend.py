@@ -9,8 +9,11 @@ fp16/bf16/fp32 caches, and accumulate in float32.
   a ``tl.dot``) and one slice of the context; slices are merged by their log-sum-exp in
   the reduce kernel. Splitting the context keeps a small batch over long contexts busy.
 - ``_extend``: several new tokens per sequence. Each program takes a block of one
-  sequence's new tokens for one query head and streams its whole context (cached pages,
-  then the new tokens the store kernel just wrote) with causal masking.
+  sequence's new tokens, either for one query head or (``PACK_GQA``) for all query heads
+  of one KV head packed into its rows, so K/V is read once per group. It streams its
+  context (cached pages, then the new tokens the store kernel just wrote): whole blocks
+  before its first row without any mask, then the causal diagonal masked; with a
+  sliding window it starts at the first row's window. Scores are in log2 units (exp2).
 
 Compiled, each program loops only over the context it needs (its split, or up to the
 last position its rows may see). Under ``TRITON_INTERPRET=1`` a loop over any runtime
@@ -34,6 +37,8 @@ import triton.language as tl
 from radixkv.kernels.base import AttentionBackend
 
 _NEG_INF = tl.constexpr(float("-inf"))
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -59,30 +64,50 @@ def _attend_block(
     scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
     """Fold context positions start..start+BLOCK_N into the online softmax of the query
-    rows at positions ``q_pos`` (causal: a row sees positions <= its own)."""
+    rows at positions ``q_pos`` (causal: a row sees positions <= its own).
+
+    Scores are kept in log2 units (``scale`` times log2(e) folded in, ``exp2``), so
+    ``m_i`` is a base-2 maximum. ``MASKED=False`` is for blocks every row sees whole
+    (inside the sequence, before the first row's position, no window): no bounds, causal
+    or -inf handling."""
     pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < seq_len
-    page = tl.load(kv_indices + page_start + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    offs = (page * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-    kvmask = valid[:, None] & dmask[None, :]
-    k = tl.load(k_cache + offs, mask=kvmask, other=0.0)
-    v = tl.load(v_cache + offs, mask=kvmask, other=0.0)
-    if NATIVE_DOT:
-        s = tl.dot(qv, tl.trans(k)) * scale
+    if MASKED:
+        valid = pos < seq_len
+        page = tl.load(kv_indices + page_start + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        kvmask = valid[:, None] & dmask[None, :]
     else:
-        s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        page = tl.load(kv_indices + page_start + pos // PAGE_SIZE).to(tl.int64)
+        kvmask = dmask[None, :]
+    offs = (page * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    if MASKED or not EVEN_D:
+        k = tl.load(k_cache + offs, mask=kvmask, other=0.0)
+        v = tl.load(v_cache + offs, mask=kvmask, other=0.0)
+    else:
+        k = tl.load(k_cache + offs)
+        v = tl.load(v_cache + offs)
+    if NATIVE_DOT:
+        s = tl.dot(qv, tl.trans(k))
+    else:
+        s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
     if USE_SOFTCAP:
-        s = softcap * _tanh(s / softcap)
-    allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-    if USE_WINDOW:
-        allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
-    s = tl.where(allowed, s, _NEG_INF)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == _NEG_INF, 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
+        s = softcap * _tanh(s * (scale / softcap)) * _LOG2E
+    else:
+        s = s * (scale * _LOG2E)
+    if MASKED:
+        allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, _NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == _NEG_INF, 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if NATIVE_DOT:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -125,17 +150,17 @@ def _decode_partial(
             m_i, l_i, acc = _attend_block(
                 qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
                 scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
                 qv, k_cache, v_cache, kv_indices, page_start, lo + i * BLOCK_N, seq_len, q_pos, m_i, l_i, acc,
                 scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM,
             )  # fmt: skip
     has = l_i > 0
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), _NEG_INF)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, _NEG_INF)  # natural log
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     row = (b * num_q_heads + heads) * NUM_SPLITS + split
     tl.store(mid_o + row[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
@@ -169,46 +194,75 @@ def _extend(
     scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, PACK_GQA: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    mb = tl.program_id(2)
+    # Grid (heads, row blocks, sequences), heads fastest: programs running side by side
+    # read the same sequence's K/V (from L2). Row blocks go last to first, so the ones
+    # with the longest causal context start first.
+    hid = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
     qo_start = tl.load(qo_indptr + b)
     qo_len = tl.load(qo_indptr + b + 1) - qo_start
     seq_len = tl.load(seq_lens + b)
     page_start = tl.load(kv_indptr + b).to(tl.int64)
-    kvh = h // GROUP
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < qo_len
+    r = tl.arange(0, BLOCK_M)
+    if PACK_GQA:  # rows are (position, query head of this KV head's group) pairs
+        kvh = hid
+        heads = kvh * GROUP + r % GROUP
+        qi = r // GROUP
+        rows = mb * BLOCK_Q + qi
+        rmask = (qi < BLOCK_Q) & (rows < qo_len)
+    else:  # rows are positions of one query head
+        kvh = hid // GROUP
+        heads = hid + r * 0
+        rows = mb * BLOCK_Q + r
+        rmask = rows < qo_len
     q_pos = seq_len - qo_len + rows
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     tok = (qo_start + rows).to(tl.int64)
-    qv = tl.load(q + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    qv = tl.load(q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     if not NATIVE_DOT:
         qv = qv.to(tl.float32)
     m_i = tl.full([BLOCK_M], _NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if DYNAMIC_LOOP:  # up to the last position this block of rows may see
-        for start in range(0, tl.minimum(seq_len, seq_len - qo_len + (mb + 1) * BLOCK_M), BLOCK_N):
+    even_d = BLOCK_D == HEAD_DIM
+    if DYNAMIC_LOOP:
+        # Positions before this block's first row are visible to every row: whole
+        # blocks of them need no masks. Then the diagonal, masked, up to the last row.
+        first = seq_len - qo_len + mb * BLOCK_Q
+        hi = tl.where(mb * BLOCK_Q < qo_len, tl.minimum(seq_len, first + BLOCK_Q), 0)  # 0: no rows here
+        if USE_WINDOW:  # nothing before the first row's window; every block masked
+            lo = tl.minimum(tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N, hi)
+            full = lo
+        else:
+            lo = 0
+            full = tl.minimum(first // BLOCK_N * BLOCK_N, hi)
+        for start in range(lo, full, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
                 scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, False, even_d,
+            )  # fmt: skip
+        for start in range(full, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
+                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
                 qv, k_cache, v_cache, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos, m_i, l_i, acc,
                 scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d,
             )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o.dtype.element_ty),
+    tl.store(o + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(o.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])  # fmt: skip
 
 
@@ -223,12 +277,14 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     BLOCK_N = 16  # decode: context positions per loop step
     # extend (BLOCK_M query rows, BLOCK_N context positions), warps, pipeline stages.
-    # Half-precision KV on an H100 (bench_attention's extend problem, 2026-11-22):
-    # 16x16 ran 5.08 ms, 64x64 1.34, 128x64 1.24 (4 warps, 3 stages; 8 warps were slower).
+    # Half-precision KV on an H100 (bench_attention's extend problem, 2026-11-22, with
+    # unmasked interior blocks and exp2): 128x64 packed 0.74 ms, per head 0.78; 128x32
+    # 0.81, 64x32 0.94, 128x128 1.57; 8 warps or 2 stages slower (FlashInfer 0.57).
     # fp32 KV (IEEE dots) keeps small tiles: its operands are twice the registers.
     EXTEND_HALF = (128, 64)
     EXTEND_FP32 = (16, 16)
     EXTEND_WARPS = 4
+    PACK_GQA = True  # extend rows hold all query heads of a KV head: K/V read once per group
     EXTEND_STAGES = 3
     MAX_SPLITS = 16
     TOKENS_PER_SPLIT = 256  # aim: each decode program streams at least this much context
@@ -288,12 +344,15 @@ class TritonBackend(AttentionBackend):
             )  # fmt: skip
         else:
             block_m, block_n = self.EXTEND_HALF if native else self.EXTEND_FP32
-            grid = (len(batch.qo_lens), hq, triton.cdiv(self.max_qo_len, block_m))
+            pack = self.PACK_GQA and group > 1 and block_m >= 2 * group
+            block_q = block_m // group if pack else block_m
+            grid = (hkv if pack else hq, triton.cdiv(self.max_qo_len, block_q), len(batch.qo_lens))
             _extend[grid](
                 q, out, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens,
                 scale, softcap, window,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch,
-                BLOCK_M=block_m, BLOCK_N=block_n, NUM_BLOCKS=self._static_blocks(self.max_seq_len, block_n), **flags,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, PACK_GQA=pack,
+                NUM_BLOCKS=self._static_blocks(self.max_seq_len, block_n), **flags,
                 num_warps=self.EXTEND_WARPS, num_stages=self.EXTEND_STAGES,
             )  # fmt: skip
         return out

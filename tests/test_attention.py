@@ -120,6 +120,25 @@ def test_sliding_window_and_softcap(backend, lens, prefixes):
         check_against_dense(impl, case, lens, scale=0.25, window=window, softcap=softcap)
 
 
+# The interpreter pays per program and loop step (minutes for small tiles): one tile there.
+EXTEND_TILES = [(16, 16), (64, 32), (128, 64), (128, 128)] if torch.cuda.is_available() else [(64, 32)]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("tiles", EXTEND_TILES)
+def test_triton_extend_tiles_and_head_packing(pack, tiles):
+    """The extend kernel's row/column tiles and its two row layouts (one query head per
+    program, or a KV head's whole group packed into the rows) agree with the reference,
+    with contexts that span whole unmasked blocks, the causal diagonal and windows."""
+    impl = get_backend(available("triton"))
+    impl.PACK_GQA = pack
+    impl.EXTEND_HALF = impl.EXTEND_FP32 = tiles
+    lens, prefixes = [37, 130, 1, 5], [100, 0, 40, 3]
+    case = random_case(5, lens, prefixes, 16, 9, 3, torch.float16, device=device_for("triton"))
+    for window, softcap in [(None, None), (8, None), (64, 5.0)]:
+        check_against_dense(impl, case, lens, scale=0.25, window=window, softcap=softcap, tol=3e-3)
+
+
 def test_auto_follows_the_kv_device_and_dtype():
     pytest.importorskip("triton")
     assert get_backend("auto", "cuda", torch.float32).name == "triton"  # FlashInfer reads no fp32 KV

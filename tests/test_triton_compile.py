@@ -61,11 +61,13 @@ def compile_all() -> int:
     for dtype, native, dynamic, softcap, window, group in VARIANTS:
         flags = dict(USE_SOFTCAP=softcap, USE_WINDOW=window, NATIVE_DOT=native, DYNAMIC_LOOP=dynamic, GROUP=group)
         compile_kernel(tb._decode_partial, dtype, BLOCK_H=16, NUM_SPLITS=8, **flags, **ATTN)
-        compile_kernel(tb._extend, dtype, BLOCK_M=64, **flags, **ATTN)
-        count += 2
+        compile_kernel(tb._extend, dtype, BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **ATTN)
+        compile_kernel(tb._extend, dtype, BLOCK_M=64, BLOCK_Q=64 // group, PACK_GQA=True, **flags, **ATTN)
+        count += 3
         if native and dynamic:  # the tiles the GPU runs for half-precision KV
             block_m, block_n = tb.TritonBackend.EXTEND_HALF
-            compile_kernel(tb._extend, dtype, BLOCK_M=block_m, **flags, **{**ATTN, "BLOCK_N": block_n})
+            tiles = dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, PACK_GQA=True, BLOCK_N=block_n)
+            compile_kernel(tb._extend, dtype, **flags, **{**ATTN, **tiles})
             count += 1
     for dtype in ("fp16", "bf16", "fp32"):
         compile_kernel(tb._store_kv, dtype, BLOCK=1024)
@@ -79,7 +81,9 @@ def test_every_kernel_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "compiled 16 kernel variants for sm_90" in out.stdout
+    # per variant: decode, extend per head, extend packed (+ the GPU's half tiles); 6 others
+    expected = 3 * len(VARIANTS) + sum(1 for v in VARIANTS if v[1] and v[2]) + 6
+    assert f"compiled {expected} kernel variants for sm_90" in out.stdout
 
 
 if __name__ == "__main__":
