@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_result  # noqa: E402
+from radixkv.cache.formats import KVView, kv_format  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
 
@@ -78,6 +79,7 @@ class Problem:
         self.batch = ForwardBatch.build(seqs, PAGE, device="cuda")
         self.k_cache = torch.randn(num_pages, PAGE, HKV, DIM, dtype=DTYPE, device="cuda")
         self.v_cache = torch.randn_like(self.k_cache)
+        self.kv = KVView(self.k_cache, self.v_cache, kv_format(DTYPE))  # the pool's view of one layer
         t = self.batch.num_tokens
         self.q = torch.randn(t, HQ, DIM, dtype=DTYPE, device="cuda")
         self.k = torch.randn(t, HKV, DIM, dtype=DTYPE, device="cuda")
@@ -99,7 +101,7 @@ def run(name: str, p: Problem, repeat: int):
     scale = DIM**-0.5
     try:
         impl.plan(p.batch)  # once: forward below is one layer, repeated
-        fn = lambda: impl.forward(p.q, p.k, p.v, p.k_cache, p.v_cache, scale)  # noqa: E731
+        fn = lambda: impl.forward(p.q, p.k, p.v, p.kv, scale)  # noqa: E731
         out = fn()
         ms = cuda_ms(fn, repeat)
     except Exception as e:

@@ -163,7 +163,7 @@ def start_engine(s: Settings, rng, **settings) -> tuple[Engine, StepProfiler]:
     """An engine with timers, warmed up by one untimed batch of the part-1 shape."""
     engine = Engine(**ENGINE, **settings)
     profiler = StepProfiler(engine)
-    warmup = rng.integers(0, engine.model.config.vocab_size, (s.batch, s.prompt_tokens)).tolist()
+    warmup = rng.integers(0, engine.vocab_size, (s.batch, s.prompt_tokens)).tolist()
     engine.generate(warmup, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
     engine.flush_cache()
     profiler.reset()
@@ -178,7 +178,7 @@ def bench_decode(engine: Engine, profiler: StepProfiler, s: Settings, rng) -> di
     medians of each system's tok/s."""
     hf = load_transformers()
     shape = (s.batch, s.prompt_tokens)
-    vocab = engine.model.config.vocab_size
+    vocab = engine.vocab_size
     transformers_decode(hf, rng.integers(0, vocab, shape).tolist(), s.new_tokens - 1)  # warm-up
     runs = []
     for _ in range(s.repeat):
@@ -231,7 +231,7 @@ def user_messages(engine: Engine, count: int, rng) -> list[str]:
             doc = inspect.getdoc(obj) if callable(obj) and not name.startswith("_") else None
             if doc:
                 text = ASK + " ".join(doc.split())
-                if 40 <= len(engine.tokenizer.encode(text, add_special_tokens=False)) <= 80:
+                if 40 <= len(engine.encode(text, add_special_tokens=False)) <= 80:
                     texts.add(text)
     pool = sorted(texts)
     return [pool[i] for i in rng.choice(len(pool), count, replace=False)]
@@ -245,7 +245,7 @@ def system_message(engine: Engine, tokens: int) -> list[dict]:
     text = SYSTEM
     paragraphs = [p for m in NOTE_MODULES for p in inspect.getdoc(__import__(m)).split("\n\n")]
     for paragraph in paragraphs:
-        if len(engine.tokenizer.encode(text, add_special_tokens=False)) >= tokens:
+        if len(engine.encode(text, add_special_tokens=False)) >= tokens:
             break
         text += paragraph + "\n\n"
     return [{"role": "system", "content": text.strip()}]
@@ -271,7 +271,7 @@ def bench_chat(engine: Engine, messages: list[list[str]], s: Settings) -> list[d
     params = SamplingParams(temperature=0, max_new_tokens=s.answer_tokens)
     system = system_message(engine, s.system_tokens)
     prompts = [
-        engine.tokenizer.encode(engine.render_chat([*system, {"role": "user", "content": conv[0]}])) for conv in messages
+        engine.encode(engine.render_chat([*system, {"role": "user", "content": conv[0]}])) for conv in messages
     ]
     turns = []
     for k in range(s.turns):
@@ -292,10 +292,9 @@ def bench_chat(engine: Engine, messages: list[list[str]], s: Settings) -> list[d
 def next_prompt(engine: Engine, prompt: list[int], answer: list[int], message: str) -> list[int]:
     """The next turn's prompt: this one, the answer, ``<|im_end|>`` unless the answer
     ended with it, and the template's text for the next user message."""
-    tok = engine.tokenizer
-    end = tok.encode("<|im_end|>", add_special_tokens=False)
+    end = engine.encode("<|im_end|>", add_special_tokens=False)
     close = [] if answer[-len(end) :] == end else end
-    return prompt + answer + close + tok.encode(NEXT_USER.format(message), add_special_tokens=False)
+    return prompt + answer + close + engine.encode(NEXT_USER.format(message), add_special_tokens=False)
 
 
 def _hit_tokens(engine: Engine) -> int:

@@ -95,7 +95,7 @@ def main() -> int:
 
     # 1. fidelity ---------------------------------------------------------------------------
     with Engine(kv_cache_tokens=256) as cpu:
-        prompts = [cpu.tokenizer.encode(cpu.render_chat(c)) for c in CHATS]
+        prompts = [cpu.encode(cpu.render_chat(c)) for c in CHATS]
     hf = hf_model(torch.float32)
     ref = []
     with torch.no_grad():

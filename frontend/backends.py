@@ -81,11 +81,11 @@ class EngineBackend(Backend):
         self._owned = engine is None
         self.engine = Engine(**settings) if engine is None else engine
         self.namespace = namespace
-        self.eos_token_ids = frozenset(self.engine.tokenizer.eos_token_ids)
+        self.eos_token_ids = self.engine.eos_token_ids
         self.max_context = self.engine.max_context
 
     def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens, split_special_tokens)
+        return self.engine.encode(text, add_special_tokens, split_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt)

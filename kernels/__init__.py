@@ -8,9 +8,11 @@ attributes (``radixkv.model.batch.ForwardBatch`` is one):
     kv_last_page_len [B] int32, out_slots [T] int64,
     qo_lens / seq_lens (host tuples of B ints), page_size (int)
 
-``plan(batch)`` runs once per forward pass; ``forward`` once per layer writes the new
-tokens' K/V into the paged cache at ``out_slots`` and then attends: causally among a
-sequence's new tokens, fully to its cached prefix, with GQA/MQA.
+``plan(batch)`` runs once per forward pass; ``forward`` once per layer attends, causally
+among a sequence's new tokens and fully to its cached prefix, with GQA/MQA. The layer's
+KV comes as a view (``radixkv.cache.formats.KVView`` is one): ``.k``/``.v`` paged
+tensors and ``.format`` (``.name``, ``.dtype``). The pool has already written the new
+tokens into it; backends only read KV.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ def _flashinfer() -> AttentionBackend:
     return FlashInferBackend()
 
 
-def _auto(device: str = "cpu", dtype=None) -> AttentionBackend:
-    """By where the KV lives: on CUDA, FlashInfer for half-precision KV when it imports,
-    else Triton (which also reads fp32 KV); on the CPU the C decode kernel when it
-    builds, else torch. The machine having a GPU does not matter, only ``device``."""
+def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
+    """By where the KV lives: on CUDA, FlashInfer for half-precision KV read by queries of
+    the same dtype when it imports, else Triton (which also reads fp32 and mixed KV); on
+    the CPU the C decode kernel when it builds, else torch. The machine having a GPU does
+    not matter, only ``device``."""
     import torch
 
     if str(device).startswith("cuda"):
-        half = dtype in (torch.float16, torch.bfloat16)
+        half = dtype in (torch.float16, torch.bfloat16) and q_dtype in (None, dtype)
         factories = (_flashinfer, _triton) if half else (_triton,)
     else:
         factories = (_cpu,)
@@ -72,13 +75,14 @@ BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
 }
 
 
-def get_backend(name: str = "torch", device: str = "cpu", dtype=None) -> AttentionBackend:
-    """A fresh backend instance by name. ``device`` and ``dtype`` (of the KV cache) only
-    steer ``auto``. Raises ValueError naming the known ones."""
+def get_backend(name: str = "torch", device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
+    """A fresh backend instance by name. ``device`` and ``dtype`` (of the KV cache) and
+    ``q_dtype`` (of the queries: the model's) only steer ``auto``. Raises ValueError
+    naming the known ones."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {name!r}")
     if name == "auto":
-        return _auto(device, dtype)
+        return _auto(device, dtype, q_dtype)
     return BACKENDS[name]()
 
 

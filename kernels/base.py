@@ -18,13 +18,20 @@ class AttentionBackend:
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D], new tokens
+        k: torch.Tensor,  # [T, Hkv, D], the new tokens' K, already stored in ``kv``
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-        v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+        kv,  # the layer's KV: .k, .v [num_pages, page_size, Hkv, D], .format (.name, .dtype)
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Write ``k``/``v`` at the batch's ``out_slots``, then attend."""
+        """Attend; ``kv`` already holds the new tokens at the batch's ``out_slots`` (the
+        pool wrote them). A backend reads ``kv`` and never writes it; it may read the new
+        tokens from ``k``/``v`` instead when they equal what the pool stored."""
         raise NotImplementedError
+
+
+def stored_as(t: torch.Tensor, kv) -> torch.Tensor:
+    """``t`` (new tokens' K or V) rounded as the pool stored it: itself when the format
+    keeps its dtype, else converted to the format's dtype and back."""
+    return t if t.dtype == kv.format.dtype else t.to(kv.format.dtype).to(t.dtype)

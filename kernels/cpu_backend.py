@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from radixkv.kernels.torch_ref import TorchBackend
+from radixkv.kernels.torch_ref import TorchBackend, rows
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
@@ -122,13 +122,14 @@ class CpuBackend(TorchBackend):
             self._kv_indices = batch.kv_indices.cpu().to(torch.int32).contiguous()
             self._decode_lens = torch.tensor([batch.seq_lens[i] for i in rows], dtype=torch.int32)
 
-    def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, logit_softcap=None):
+    def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
+        k_cache, v_cache = kv.k, kv.v
         if not (self.decode_rows and _kernel_can_read(q, k_cache, v_cache)):
-            return super().forward(q, k, v, k_cache, v_cache, scale, sliding_window, logit_softcap)
-        k_flat, v_flat = self.write_kv(k, v, k_cache, v_cache)
+            return super().forward(q, k, v, kv, scale, sliding_window, logit_softcap)
         q = q.contiguous()
         out = torch.empty_like(q)
         if len(self.decode_rows) < len(self.qo_lens):  # the other sequences through SDPA
+            k_flat, v_flat = rows(kv)
             self.attend_sequences(q, k, v, k_flat, v_flat, scale, sliding_window, logit_softcap, out,
                                   skip=self.decode_rows)  # fmt: skip
         status = self._lib.radixkv_paged_decode(

@@ -16,7 +16,7 @@ What happens when:
   when every sequence has exactly one new token and the causal prefill wrapper
   otherwise. Later layers reuse that plan; it is redone only when the scale, window,
   soft-cap, head counts or dtypes differ from the previous layer's.
-- every ``forward``: writes the new K/V into the pool at ``out_slots``, then runs.
+- every ``forward``: runs on the layer's KV view, which the pool has already written.
 """
 
 from __future__ import annotations
@@ -84,13 +84,13 @@ class FlashInferBackend(AttentionBackend):
         self._kv_indptr = _indptr(pages)
         self._last_page_len = torch.tensor([(n - 1) % ps + 1 for n in batch.seq_lens], dtype=torch.int32)
         self._kv_indices = batch.kv_indices
-        self._out_slots = batch.out_slots
         self._page_size = ps
         self._is_decode = all(n == 1 for n in batch.qo_lens)
         self._batch = batch
         self._planned = None
 
-    def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, logit_softcap=None):
+    def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
+        k_cache, v_cache = kv.k, kv.v
         if self._batch is None:
             raise RuntimeError("FlashInferBackend.forward called before plan(batch)")
         if q.dtype not in (torch.float16, torch.bfloat16):
@@ -100,8 +100,8 @@ class FlashInferBackend(AttentionBackend):
         _, page_size, hkv, dim = k_cache.shape
         if page_size != self._page_size:
             raise ValueError(f"k_cache has pages of {page_size} tokens, the batch was built for {self._page_size}")
-        k_cache.view(-1, hkv, dim).index_copy_(0, self._out_slots, k.to(k_cache.dtype))
-        v_cache.view(-1, hkv, dim).index_copy_(0, self._out_slots, v.to(v_cache.dtype))
+        if q.dtype != k_cache.dtype:
+            raise ValueError(f"the flashinfer backend reads KV in the queries' dtype ({q.dtype}), got {kv.format.name}")
         key = (q.shape[1], hkv, dim, q.dtype, k_cache.dtype, float(scale), window_left(sliding_window), logit_softcap)
         if key != self._planned:
             self._plan_flashinfer(*key)

@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels.base import AttentionBackend
+from radixkv.kernels.base import AttentionBackend, stored_as
+
+
+def rows(kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V as ``[slots, H, D]`` views (``slot = page * page_size + offset``)."""
+    heads, dim = kv.k.shape[2], kv.k.shape[3]
+    return kv.k.view(-1, heads, dim), kv.v.view(-1, heads, dim)
 
 
 class TorchBackend(AttentionBackend):
@@ -41,24 +47,16 @@ class TorchBackend(AttentionBackend):
         self.pad_pos = torch.arange(longest, device=device)[None, :]
         self.pad_len = torch.tensor(self.seq_lens, device=device)[:, None]
 
-    def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, logit_softcap=None):
-        k_flat, v_flat = self.write_kv(k, v, k_cache, v_cache)
+    def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
+        k_flat, v_flat = rows(kv)
         if self.decode:
             if self.pad_slots is None:
                 self._pad_decode()
             return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
-        self.attend_sequences(q, k, v, k_flat, v_flat, scale, sliding_window, logit_softcap, out)
+        self.attend_sequences(q, stored_as(k, kv), stored_as(v, kv), k_flat, v_flat, scale, sliding_window,
+                              logit_softcap, out)  # fmt: skip
         return out
-
-    def write_kv(self, k, v, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens' K/V at ``out_slots``; the caches as ``[slots, H, D]`` views."""
-        heads, dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, heads, dim)
-        v_flat = v_cache.view(-1, heads, dim)
-        k_flat.index_copy_(0, self.out_slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self.out_slots, v.to(v_flat.dtype))
-        return k_flat, v_flat
 
     def attend_sequences(self, q, k, v, k_flat, v_flat, scale, sliding_window, logit_softcap, out,
                          skip: frozenset[int] = frozenset()) -> None:  # fmt: skip
@@ -69,7 +67,7 @@ class TorchBackend(AttentionBackend):
             if i in skip:
                 start += n
                 continue
-            if n == total:  # nothing cached: the new K/V are the whole sequence
+            if n == total:  # nothing cached: the new K/V (as stored) are the whole sequence
                 ki, vi = k[start : start + n], v[start : start + n]
             else:
                 ki = k_flat.index_select(0, slots).to(q.dtype)

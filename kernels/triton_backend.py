@@ -1,9 +1,8 @@
-"""Triton attention backend: paged decode (split-K) and extend kernels, and a K/V store.
+"""Triton attention backend: paged decode (split-K) and extend kernels.
 
 All kernels read K/V through the page table (``kv_indices``), for any page size, from
 fp16/bf16/fp32 caches, and accumulate in float32.
 
-- ``_store_kv``: one program per new token copies its K and V rows to its slot.
 - ``_decode_partial`` + ``_decode_reduce``: one new token per sequence. Each program
   takes one sequence, one KV head (with all query heads of its GQA group as the rows of
   a ``tl.dot``) and one slice of the context; slices are merged by their log-sum-exp in
@@ -44,18 +43,6 @@ _LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _store_kv(k_new, v_new, k_cache, v_cache, out_slots, row_elems, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(out_slots + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < row_elems
-    k = tl.load(k_new + t * row_elems + offs, mask=mask)
-    v = tl.load(v_new + t * row_elems + offs, mask=mask)
-    tl.store(k_cache + slot * row_elems + offs, k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + slot * row_elems + offs, v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -272,7 +259,7 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 class TritonBackend(AttentionBackend):
     """Paged attention in Triton. ``plan`` builds the per-batch scalars and tensors once;
-    each ``forward`` launches the store kernel and either decode or extend kernels."""
+    each ``forward`` launches either the decode kernels or the extend kernel."""
 
     name = "triton"
     BLOCK_N = 16  # decode: context positions per loop step
@@ -308,16 +295,13 @@ class TritonBackend(AttentionBackend):
         per_split = -(-self.max_seq_len // splits)
         self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N
 
-    def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, logit_softcap=None):
+    def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         batch = self.batch
-        num_tokens, hq, dim = q.shape
+        k_cache, v_cache = kv.k, kv.v
+        _, hq, dim = q.shape
         hkv = k_cache.shape[2]
         group = hq // hkv
-        k = k.contiguous()
-        v = v.contiguous()
         q = q.contiguous()
-        row_elems = hkv * dim
-        _store_kv[(num_tokens,)](k, v, k_cache, v_cache, batch.out_slots, row_elems, BLOCK=triton.next_power_of_2(row_elems))
         native = not self.interpret and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
         flags = dict(
             USE_SOFTCAP=logit_softcap is not None, USE_WINDOW=sliding_window is not None, NATIVE_DOT=native,

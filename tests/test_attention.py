@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from radixkv.cache import PageAllocator
+from radixkv.cache.formats import KVView, kv_format
 from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.kernels import get_backend
 
@@ -27,49 +28,58 @@ def dense_reference(q, k_all, v_all, n_new, scale, window=None, softcap=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def random_case(seed, lens, prefixes, page_size, hq, hkv, dtype, dim=16, device="cpu"):
+def random_case(seed, lens, prefixes, page_size, hq, hkv, dtype, dim=16, device="cpu", kv_dtype=None):
+    """A ragged batch over shuffled pages of a NaN-poisoned cache, with every sequence's
+    prefix and new tokens already stored (as the pool's ``store_kv`` leaves them before
+    attention). ``kv_dtype`` (default ``dtype``): the cache's format; the dense K/V
+    are what it holds, while ``k``/``v`` are the new tokens before that rounding."""
+    kv_dtype = kv_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     alloc = PageAllocator(4096)
     num_pages = 4096
-    k_cache = torch.full((num_pages, page_size, hkv, dim), float("nan"), dtype=dtype)  # poisoned
+    k_cache = torch.full((num_pages, page_size, hkv, dim), float("nan"), dtype=kv_dtype)  # poisoned
     v_cache = torch.full_like(k_cache, float("nan"))
-    seqs, dense_k, dense_v = [], [], []
+    seqs, dense_k, dense_v, new_k, new_v = [], [], [], [], []
     for n, p in zip(lens, prefixes):
         total = n + p
         # Scatter pages: allocate extra and shuffle so page ids are not contiguous.
         pages = alloc.alloc(-(-total // page_size) + 2)[torch.randperm(-(-total // page_size) + 2, generator=g).numpy()]
         kd = torch.randn(total, hkv, dim, generator=g).to(dtype)
         vd = torch.randn(total, hkv, dim, generator=g).to(dtype)
-        pos = np.arange(p)
+        pos = np.arange(total)
         slots = torch.from_numpy(pages[pos // page_size].astype(np.int64) * page_size + pos % page_size)
-        k_cache.view(-1, hkv, dim)[slots] = kd[:p]
-        v_cache.view(-1, hkv, dim)[slots] = vd[:p]
+        k_cache.view(-1, hkv, dim)[slots] = kd.to(kv_dtype)
+        v_cache.view(-1, hkv, dim)[slots] = vd.to(kv_dtype)
         seqs.append(SeqInput(list(range(n)), p, pages))
-        dense_k.append(kd)
-        dense_v.append(vd)
+        dense_k.append(kd.to(kv_dtype).to(dtype))
+        dense_v.append(vd.to(kv_dtype).to(dtype))
+        new_k.append(kd[p:])
+        new_v.append(vd[p:])
     batch = ForwardBatch.build(seqs, page_size, device)
     q = torch.randn(batch.num_tokens, hq, dim, generator=g).to(dtype)
-    k_new = torch.cat([kd[p:] for kd, p in zip(dense_k, prefixes)])
-    v_new = torch.cat([vd[p:] for vd, p in zip(dense_v, prefixes)])
-    on = [t.to(device) for t in (q, k_new, v_new, k_cache, v_cache)]
-    return batch, *on, dense_k, dense_v
+    q, k_new, v_new, k_cache, v_cache = (t.to(device) for t in (q, torch.cat(new_k), torch.cat(new_v), k_cache, v_cache))
+    return batch, q, k_new, v_new, KVView(k_cache, v_cache, kv_format(kv_dtype)), dense_k, dense_v
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN poison included)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def check_against_dense(impl, case, lens, scale, window=None, softcap=None, tol=2e-5):
     """Plan and run ``impl`` on a ``random_case``; every sequence's output within ``tol`` of
-    the dense reference, and the new K/V stored at ``out_slots``. Returns the output."""
-    batch, q, k, v, k_cache, v_cache, dense_k, dense_v = case
+    the dense reference, and the KV untouched (backends only read it). Returns the output."""
+    batch, q, k, v, kv, dense_k, dense_v = case
+    before = kv.k.clone(), kv.v.clone()
     impl.plan(batch)
-    out = impl.forward(q, k, v, k_cache, v_cache, scale, sliding_window=window, logit_softcap=softcap)
+    out = impl.forward(q, k, v, kv, scale, sliding_window=window, logit_softcap=softcap)
     start = 0
     q_host, out_host = q.cpu(), out.cpu()
     for n, kd, vd in zip(lens, dense_k, dense_v):
         ref = dense_reference(q_host[start : start + n], kd, vd, n, scale, window, softcap)
         assert (out_host[start : start + n].double() - ref).abs().max() < tol
         start += n
-    hkv, dim = k.shape[1], k.shape[2]
-    assert torch.equal(k_cache.view(-1, hkv, dim)[batch.out_slots], k)
-    assert torch.equal(v_cache.view(-1, hkv, dim)[batch.out_slots], v)
+    assert same_bytes(kv.k, before[0]) and same_bytes(kv.v, before[1])
     return out
 
 
@@ -109,6 +119,15 @@ def test_backend_matches_dense_reference(backend, lens, prefixes, page_size, hq,
     case = random_case(7, lens, prefixes, page_size, hq, hkv, dtype, device=device_for(backend))
     out = check_against_dense(get_backend(available(backend)), case, lens, scale=0.25, tol=tol)
     assert out.shape == case[1].shape and out.dtype == dtype
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("lens, prefixes", [([1, 5, 37], [30, 3, 20]), ([1, 1, 1], [30, 3, 20]), ([12], [0])])
+def test_float32_queries_read_a_bf16_cache(backend, lens, prefixes):
+    """The KV format is the pool's, apart from the model's dtype: every backend that reads
+    fp32 queries attends over what the bf16 cache holds, not the unrounded new K/V."""
+    case = random_case(9, lens, prefixes, 4, 6, 2, torch.float32, device=device_for(backend), kv_dtype=torch.bfloat16)
+    check_against_dense(get_backend(available(backend)), case, lens, scale=0.25, tol=2e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])

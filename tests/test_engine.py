@@ -191,7 +191,22 @@ def test_bad_requests_get_clear_errors(engine):
         engine.generate("hi", {"temperature": 0})
     with pytest.raises(ValueError, match="max_running"):
         Engine(max_running=0)
+    with pytest.raises(ValueError, match="kv_dtype must be one of fp32, bf16, fp16"):
+        Engine(kv_dtype="int3")
     engine.check_integrity()
+
+
+def test_kv_dtype_is_apart_from_the_weights_dtype():
+    """``kv_dtype="bf16"`` with float32 weights: a bf16 pool, twice the pages for the same
+    bytes, and generation running over it (the model test checks the logits)."""
+    with make(kv_cache_tokens=None, memory_bytes=1 << 24, kv_dtype="bf16") as half, \
+            make(kv_cache_tokens=None, memory_bytes=1 << 24) as full:  # fmt: skip
+        assert half.pool.k[0].dtype == torch.bfloat16 and full.pool.k[0].dtype == torch.float32
+        assert 2 * half.pool.config.bytes_per_page == full.pool.config.bytes_per_page
+        assert half.pool.num_pages == (1 << 24) // half.pool.config.bytes_per_page >= 2 * full.pool.num_pages
+        out = half.generate("The capital of France is", GREEDY)
+        assert out.outputs[0].token_ids and half.model.dtype == torch.float32
+        half.check_integrity()
 
 
 def test_regex_constrains_the_output(engine):

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("the flashinfer backend needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("flashinfer", reason="flashinfer-python is not installed (pip install 'radixkv[gpu]')")
 
+from radixkv.cache.formats import KVView, kv_format  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels.flashinfer_backend import FlashInferBackend, window_left  # noqa: E402
 from radixkv.kernels.torch_ref import TorchBackend  # noqa: E402
@@ -56,27 +57,31 @@ class Case:
         self.k = torch.randn(t, hkv, dim, generator=g).to(dtype).cuda()
         self.v = torch.randn(t, hkv, dim, generator=g).to(dtype).cuda()
         self.k_cache, self.v_cache = k_cache.cuda(), v_cache.cuda()
-        # float32 copies for the reference, taken before anything writes the caches
+        # the new tokens at their slots, as the pool's store_kv leaves them before attention
+        hkv_, dim_ = k_cache.shape[2:]
+        self.k_cache.view(-1, hkv_, dim_)[self.batch.out_slots] = self.k
+        self.v_cache.view(-1, hkv_, dim_)[self.batch.out_slots] = self.v
+        self.kv = KVView(self.k_cache, self.v_cache, kv_format(dtype))
+        # float32 copies for the reference, and to prove the backend wrote nothing
         self.ref_k_cache, self.ref_v_cache = self.k_cache.float(), self.v_cache.float()
+        self.ref_kv = KVView(self.ref_k_cache, self.ref_v_cache, kv_format(torch.float32))
 
     def reference(self, scale, window=None, softcap=None):
         ref = TorchBackend()
         ref.plan(self.batch)
         q, k, v = self.q.float(), self.k.float(), self.v.float()
-        return ref.forward(q, k, v, self.ref_k_cache, self.ref_v_cache, scale, window, softcap)
+        return ref.forward(q, k, v, self.ref_kv, scale, window, softcap)
 
     def check(self, impl, scale, window=None, softcap=None):
-        out = impl.forward(self.q, self.k, self.v, self.k_cache, self.v_cache, scale, window, softcap)
+        out = impl.forward(self.q, self.k, self.v, self.kv, scale, window, softcap)
         assert out.shape == self.q.shape and out.dtype == self.q.dtype
         assert not out.isnan().any()
         tol = TOL[self.q.dtype]
         torch.testing.assert_close(out.float(), self.reference(scale, window, softcap), atol=tol, rtol=tol)
-        # the new K/V landed at out_slots, and nothing else in the pool changed
-        hkv, dim = self.k_cache.shape[2:]
-        assert torch.equal(self.k_cache.view(-1, hkv, dim)[self.batch.out_slots], self.k)
-        assert torch.equal(self.v_cache.view(-1, hkv, dim)[self.batch.out_slots], self.v)
-        assert torch.equal(self.k_cache.isnan(), self.ref_k_cache.isnan())
-        assert torch.equal(self.v_cache.isnan(), self.ref_v_cache.isnan())
+        # the backend only read the pool: every value (NaN poison included) as it was
+        for cache, ref in ((self.k_cache, self.ref_k_cache), (self.v_cache, self.ref_v_cache)):
+            assert torch.equal(cache.isnan(), ref.isnan())
+            assert torch.equal(cache.float().nan_to_num(), ref.nan_to_num())
 
 
 def random_lens(seed, n=6):

@@ -87,7 +87,7 @@ def test_bfloat16_backends_stay_close_to_float32(backend, prompts):
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(dtype=dtype, device="cuda")
         c = model.config
-        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, dtype=dtype, device="cuda", num_pages=512))
+        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, kv_dtype=dtype, device="cuda", num_pages=512))
         impl = get_backend("torch" if dtype == torch.float32 else backend)
         tables = [pool.alloc(-(-(len(p) + 1) // 16)) for p in prompts]
         first = model.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16, "cuda"), pool, impl)

@@ -39,9 +39,9 @@ def model():
     return load_model()
 
 
-def new_pool(model, num_pages=256, page_size=4):
+def new_pool(model, num_pages=256, page_size=4, kv_dtype="fp32"):
     c = model.config
-    return KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, page_size, num_pages=num_pages))
+    return KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, page_size, kv_dtype=kv_dtype, num_pages=num_pages))
 
 
 def test_weights_equal_transformers_tensor_by_tensor(source, hf):
@@ -118,10 +118,7 @@ def test_half_precision_runs_close_to_float32(model, hf_tok):
     ids = hf_tok("The quick brown fox jumps over the").input_ids
     bf16 = load_model(dtype="bfloat16")
     assert bf16.embed.dtype == torch.bfloat16
-    pool = new_pool(bf16)
-    pool_cfg = pool.config
-    pool = KVPool(PoolConfig(pool_cfg.num_layers, pool_cfg.num_kv_heads, pool_cfg.head_dim, 4,
-                             dtype=torch.bfloat16, num_pages=64))  # fmt: skip
+    pool = new_pool(bf16, num_pages=64, kv_dtype="bf16")
     table = pool.alloc(-(-len(ids) // 4))
     low = bf16.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 4), pool)[0]
     high = model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 4), new_pool(model))[0]
@@ -166,3 +163,24 @@ def test_rope_takes_the_given_positions_not_the_kv_index(model, hf_tok):
     base = logits(None)
     assert (logits([10, 11]) - base).abs().max() < 1e-3
     assert (logits([0, 5])[1] - base[1]).abs().max() > 1e-2
+
+
+def test_kv_format_apart_from_the_weights(model, hf_tok):
+    """float32 weights over a bf16 KV pool: the pool holds bf16 (half the bytes per page),
+    the logits move by bf16 rounding of the cached K/V only, and a decode step reading
+    that cache back agrees with one reading an fp32 cache on the next token."""
+    ids = hf_tok("The capital of France is Paris, and the capital of Italy is").input_ids
+    out = {}
+    for kv_dtype in ("fp32", "bf16"):
+        pool = new_pool(model, kv_dtype=kv_dtype)
+        table = pool.alloc(-(-(len(ids) + 1) // 4))
+        first = model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 4), pool)
+        nxt = int(first.argmax(-1))
+        second = model.forward(ForwardBatch.build([SeqInput([nxt], len(ids), table)], 4), pool)
+        out[kv_dtype] = (first, second, pool)
+    pool32, pool16 = out["fp32"][2], out["bf16"][2]
+    assert pool16.k[0].dtype == torch.bfloat16 and 2 * pool16.config.bytes_per_page == pool32.config.bytes_per_page
+    assert torch.equal(pool16.k[0], pool32.k[0].to(torch.bfloat16))  # layer 0: the same K, rounded when stored
+    for a, b in zip(out["fp32"][:2], out["bf16"][:2]):
+        assert not torch.equal(a, b)  # the format took effect
+        assert int(a.argmax(-1)) == int(b.argmax(-1)) and (a - b).abs().max() < 0.5

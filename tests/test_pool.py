@@ -132,17 +132,42 @@ def test_kv_pool_layout_and_slot_writes():
     table = np.array([1, 3], dtype=np.int32)  # a sequence living in pages 1 and 3
     slots = pool.slots(table, 1, 4)  # positions 1, 2, 3
     assert slots.tolist() == [1 * 2 + 1, 3 * 2 + 0, 3 * 2 + 1]
-    pool.k_flat(1)[slots] = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, 3, 4)
+    k = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, 3, 4)
+    pool.store_kv(1, k, -k, slots)
     assert torch.equal(pool.k[1][1, 1], torch.zeros(3, 4))
     assert torch.equal(pool.k[1][3, 0], torch.ones(3, 4))
     assert torch.equal(pool.k[1][3, 1], torch.full((3, 4), 2.0))
-    assert pool.k[0].abs().sum() == 0  # other layers untouched
+    assert torch.equal(pool.v[1][3, 1], torch.full((3, 4), -2.0))
+    assert pool.k[0].abs().sum() == 0 and pool.v[0].abs().sum() == 0  # other layers untouched
+    k_back, v_back = pool.read_kv(1, slots)
+    assert torch.equal(k_back, k) and torch.equal(v_back, -k)
+    view = pool.view(1)  # what a backend gets: the layer's pages and the format
+    assert view.k is pool.k[1] and view.v is pool.v[1] and view.format.name == "fp32" and view.page_size == 2
     with pytest.raises(ValueError, match="past the page table"):
         pool.slots(table, 0, 5)
 
 
+def test_kv_format_is_the_pools_not_the_writers():
+    """A bf16 pool stores what it is given rounded to bf16, and sizes pages by its format."""
+    pool = KVPool(PoolConfig(num_layers=1, num_kv_heads=1, head_dim=4, page_size=2, kv_dtype="bf16", num_pages=2))
+    assert pool.k[0].dtype == torch.bfloat16 and pool.format.name == "bf16"
+    assert pool.config.bytes_per_page == 2 * 1 * 2 * 1 * 4 * 2
+    x = torch.tensor([[[1.0 + 2**-10, 3.0, -0.1, 1e-3]]], dtype=torch.float32)
+    slots = pool.slots(pool.alloc(1), 1, 2)
+    pool.store_kv(0, x, x, slots)
+    k_back, _ = pool.read_kv(0, slots)
+    assert k_back.dtype == torch.bfloat16 and torch.equal(k_back, x.to(torch.bfloat16))
+    assert not torch.equal(k_back.float(), x)  # 1 + 2**-10 does not survive bf16
+
+
+@pytest.mark.parametrize("spec, name", [("fp16", "fp16"), ("float16", "fp16"), (torch.bfloat16, "bf16"), ("float32", "fp32")])
+def test_kv_dtype_names_and_aliases(spec, name):
+    cfg = PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, kv_dtype=spec, num_pages=1)
+    assert cfg.format.name == name
+
+
 def test_kv_pool_sized_from_a_byte_budget():
-    cfg = PoolConfig(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float16, memory_bytes=1000)
+    cfg = PoolConfig(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, kv_dtype=torch.float16, memory_bytes=1000)
     assert cfg.bytes_per_page == 2 * 2 * 4 * 1 * 8 * 2  # K and V, layers, tokens, heads, dim, fp16
     assert KVPool(cfg).num_pages == 1000 // 256
 
@@ -155,6 +180,8 @@ def test_kv_pool_sized_from_a_byte_budget():
         (dict(num_pages=None, memory_bytes=10), "at least one page"),
         (dict(page_size=0, num_pages=4), "page_size"),
         (dict(head_dim=-1, num_pages=4), "head_dim"),
+        (dict(kv_dtype="int3", num_pages=4), "kv_dtype must be one of"),
+        (dict(kv_dtype=torch.int8, num_pages=4), "kv_dtype must be one of"),
     ],
 )
 def test_pool_config_errors_name_the_field(kwargs, message):
@@ -169,7 +196,7 @@ def test_kv_pool_on_cuda():
     pages = pool.alloc(2)
     slots = pool.slots(pages, 0, 5)
     assert slots.device.type == "cuda"
-    pool.k_flat(0)[slots] = 1.0
+    pool.store_kv(0, torch.ones(5, 2, 8, device="cuda"), torch.ones(5, 2, 8, device="cuda"), slots)
     assert pool.k[0][pages[0]].sum().item() == 4 * 2 * 8
     pool.decref(pages)
     pool.check_integrity()

@@ -1,12 +1,16 @@
-"""KV page pool, radix-tree prefix cache, the KV cache manager, eviction policies and the
+"""KV page pool and its KV formats, radix-tree prefix cache, the KV cache manager, eviction policies and the
 hit-rate simulator."""
 
+from radixkv.cache.formats import FORMATS, KVFormat, KVView, kv_format
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.policy import POLICIES, EvictionPolicy, make_policy
 from radixkv.cache.pool import KVPool, PageAllocator, PoolConfig
 from radixkv.cache.radix import Inserted, Match, Node, RadixCache, TreeStats
 
 __all__ = [
+    "FORMATS",
+    "KVFormat",
+    "KVView",
     "POLICIES",
     "EvictionPolicy",
     "Inserted",
@@ -19,5 +23,6 @@ __all__ = [
     "RadixCache",
     "SeqKV",
     "TreeStats",
+    "kv_format",
     "make_policy",
 ]

@@ -4,8 +4,9 @@ Two classes:
 
 - ``PageAllocator`` hands out page ids from a free stack and keeps one reference
   count per page. It owns no tensors, so the hit-rate simulator uses it alone.
-- ``KVPool`` is a ``PageAllocator`` that also owns the K and V tensors of every
-  layer, in FlashInfer's NHD paged layout ``[num_pages, page_size, H, D]``.
+- ``KVPool`` is a ``PageAllocator`` that also owns the K and V pages of every layer,
+  in FlashInfer's NHD paged layout ``[num_pages, page_size, H, D]`` and one KV format
+  (``radixkv.cache.formats``); it alone writes them (``store_kv``).
 
 Owners of a reference are the radix tree (one per page it holds) and each running
 request (one per page in its page table). A page goes back to the free stack exactly
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixkv.cache.formats import KVFormat, KVView, kv_format
 from radixkv.errors import IntegrityError, OutOfPagesError
 
 MAX_PAGES = 2**31 - 1  # page ids must fit int32
@@ -197,13 +199,17 @@ class PageAllocator:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Shape of the KV pool. Give ``num_pages`` or ``memory_bytes`` (not both)."""
+    """Shape of the KV pool. Give ``num_pages`` or ``memory_bytes`` (not both).
+
+    ``kv_dtype``: the KV format (a ``KVFormat``, its name or a torch dtype; see
+    ``radixkv.cache.formats``), independent of the weights' dtype. Bytes per page
+    follow from the format."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int = 16
-    dtype: torch.dtype = torch.float32
+    kv_dtype: str | torch.dtype | KVFormat = "fp32"
     device: str = "cpu"
     num_pages: int | None = None
     memory_bytes: int | None = None
@@ -211,8 +217,9 @@ class PoolConfig:
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        object.__setattr__(self, "kv_dtype", kv_format(self.kv_dtype))
         if (self.num_pages is None) == (self.memory_bytes is None):
             raise ValueError("give exactly one of num_pages and memory_bytes")
         if self.memory_bytes is not None and self.memory_bytes < self.bytes_per_page:
@@ -222,10 +229,13 @@ class PoolConfig:
             )
 
     @property
+    def format(self) -> KVFormat:
+        return self.kv_dtype  # normalised to a KVFormat by __post_init__
+
+    @property
     def bytes_per_page(self) -> int:
-        """K and V of one page across all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+        """K and V of one page across all layers, in the pool's format."""
+        return self.format.bytes_per_page(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
 
     def resolved_num_pages(self) -> int:
         if self.num_pages is not None:
@@ -234,27 +244,43 @@ class PoolConfig:
 
 
 class KVPool(PageAllocator):
-    """A page allocator that owns the K/V tensors of every layer.
+    """A page allocator that owns the K/V pages of every layer, in one KV format.
 
-    ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, num_kv_heads, head_dim]``
-    (NHD paged layout). ``k_flat(layer)`` / ``v_flat(layer)`` are
-    ``[num_pages * page_size, num_kv_heads, head_dim]`` views for writes by slot,
-    ``slot = page * page_size + offset``.
+    The pool is the only writer of KV: ``store_kv`` puts new tokens at their slots
+    (``slot = page * page_size + offset``); ``view(layer)`` describes a layer's KV to an
+    attention backend, which only reads it. Per layer, K and V are
+    ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD paged layout).
     """
 
     def __init__(self, config: PoolConfig):
         super().__init__(config.resolved_num_pages())
         self.config = config
         self.page_size = config.page_size
+        self.format = config.format
         shape = (self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in range(config.num_layers)]
+        dtype, device = self.format.dtype, config.device
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        rows = (-1, config.num_kv_heads, config.head_dim)
+        self._k_rows = [t.view(rows) for t in self.k]
+        self._v_rows = [t.view(rows) for t in self.v]
+        self._views = [KVView(k, v, self.format) for k, v in zip(self.k, self.v)]
 
-    def k_flat(self, layer: int) -> torch.Tensor:
-        return self.k[layer].view(-1, self.config.num_kv_heads, self.config.head_dim)
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write new tokens' K and V (``[T, num_kv_heads, head_dim]``, any float dtype)
+        into layer ``layer`` at ``slots`` (``[T]`` int64 on the pool's device),
+        converting to the pool's format. Mutates that layer's pages only."""
+        self._k_rows[layer].index_copy_(0, slots, k.to(self.format.dtype))
+        self._v_rows[layer].index_copy_(0, slots, v.to(self.format.dtype))
 
-    def v_flat(self, layer: int) -> torch.Tensor:
-        return self.v[layer].view(-1, self.config.num_kv_heads, self.config.head_dim)
+    def view(self, layer: int) -> KVView:
+        """Layer ``layer``'s KV for an attention backend. Does not mutate."""
+        return self._views[layer]
+
+    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows at ``slots`` (``[T, num_kv_heads, head_dim]`` copies, in the
+        format's dtype): what a later tier or a test reads back. Does not mutate."""
+        return self._k_rows[layer].index_select(0, slots), self._v_rows[layer].index_select(0, slots)
 
     def slots(self, pages, start: int, stop: int) -> torch.Tensor:
         """Slot ids (int64) of token positions ``start..stop-1`` of a sequence whose

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Sequence
 
 import torch
 
+from radixkv.cache.formats import KVFormat, kv_format
 from radixkv.cache.pool import KVPool, PoolConfig
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.radix import RadixCache
@@ -48,7 +49,8 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     memory_bytes: int | None = None
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # weights and activations
+    kv_dtype: str = "auto"  # the KV cache's format; auto: the weights' dtype
     attention_backend: str = "auto"
     policy: str = "lru"
     enable_prefix_cache: bool = True
@@ -65,6 +67,11 @@ class EngineConfig:
         if self.kv_cache_tokens is not None and self.memory_bytes is not None:
             raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
         as_dtype(self.dtype)
+        self.kv_format  # a clear error for an unknown kv_dtype
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return kv_format(as_dtype(self.dtype) if self.kv_dtype == "auto" else self.kv_dtype)
 
 
 class _Sink:
@@ -136,6 +143,62 @@ def _output(rid: str, children: list[Request]) -> RequestOutput:
     )  # fmt: skip
 
 
+# -- commands from client threads to the engine loop -----------------------------------
+# Plain data: the loop matches on the type. A query names what to run (no closures), and
+# its answer comes back through a Reply.
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    reqs: tuple[Request, ...]
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    pass
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+class Reply:
+    """One answer from the engine thread to a waiting caller: a value or an exception."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+    def set(self, value=None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+        self._done.set()
+
+    def wait(self, alive) -> object:
+        """The value (or raise the error); RuntimeError if ``alive()`` turns False first."""
+        while not self._done.wait(0.5):
+            if not alive():
+                raise RuntimeError("the engine thread has stopped")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@dataclass(frozen=True)
+class Query:
+    what: str  # "flush" | "stats" | "check"
+    reply: Reply
+
+
+Command = AddRequests | Abort | AbortAll | Close | Query
+
+
 class Engine:
     """``Engine(model="smollm2-135m-instruct", page_size=16, ...)``; see EngineConfig.
 
@@ -150,14 +213,14 @@ class Engine:
         self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if self.tokenizer.chat_template else None
         mc = self.model.config
         pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                        page_size=cfg.page_size, dtype=as_dtype(cfg.dtype), device=cfg.device)  # fmt: skip
+                        page_size=cfg.page_size, kv_dtype=cfg.kv_format, device=cfg.device)  # fmt: skip
         if cfg.kv_cache_tokens is not None:
             pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
         else:
             pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
         self.pool = KVPool(PoolConfig(**pool_cfg))
         self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
-        self.backend = get_backend(cfg.attention_backend, cfg.device, as_dtype(cfg.dtype))
+        self.backend = get_backend(cfg.attention_backend, cfg.device, cfg.kv_format.dtype, as_dtype(cfg.dtype))
         self.max_context = mc.max_position_embeddings
         self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size)
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
@@ -262,22 +325,22 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Stop a request (all its ``n`` completions) now; it finishes with "abort"."""
-        self._commands.put(("abort", rid))
+        self._commands.put(Abort(rid))
 
     def abort_all(self) -> None:
         """Stop every queued and running request now (they finish with "abort"); the
         engine keeps serving what comes after."""
-        self._commands.put(("abort_all",))
+        self._commands.put(AbortAll())
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Only when no request is queued or running: returns
         False (and does nothing) otherwise."""
-        return self._call(self._flush)
+        return self._query("flush")
 
     def stats(self) -> dict:
         """Counters and gauges, read on the engine thread between steps (consistent;
         waits for the current step)."""
-        return self._call(self._stats)
+        return self._query("stats")
 
     def snapshot(self) -> dict:
         """``stats()`` read from the calling thread without waiting for the engine:
@@ -287,7 +350,7 @@ class Engine:
     def check_integrity(self) -> None:
         """Pool and tree invariants, with every running request's references counted.
         Raises IntegrityError."""
-        self._call(self._check)
+        self._query("check")
 
     def is_alive(self) -> bool:
         """True while the engine thread runs (False after ``close`` or a crash)."""
@@ -296,7 +359,7 @@ class Engine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._commands.put(("close",))
+            self._commands.put(Close())
             self._thread.join()
 
     def __enter__(self) -> Engine:
@@ -331,8 +394,27 @@ class Engine:
                 constraint=constraint if i == 0 or constraint is None else constraint.copy(),
             )
             reqs.append(req)
-        self._commands.put(("add", reqs))
+        self._commands.put(AddRequests(tuple(reqs)))
         return sink
+
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` by the model's tokenizer (``split_special_tokens``:
+        special-token text as plain text). Reads no engine state: any thread."""
+        return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids by the model's tokenizer. Any thread."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to ``vocab_size - 1``."""
+        return self.model.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Tokens that end a generation (end-of-turn tokens included)."""
+        return frozenset(self.tokenizer.eos_token_ids)
 
     def prompt_ids(self, prompt) -> list[int]:
         """``prompt`` (text or token ids) as checked token ids: not empty, in the
@@ -357,19 +439,14 @@ class Engine:
 
     # -- engine thread -----------------------------------------------------------
 
-    def _call(self, fn):
-        """Run ``fn`` on the engine thread and return its result."""
+    def _query(self, what: str):
+        """Run the named query on the engine thread between steps and return its result
+        (directly once the engine is closed)."""
         if self._closed:
-            return fn()
-        box: dict = {}
-        done = threading.Event()
-        self._commands.put(("call", fn, box, done))
-        while not done.wait(0.5):
-            if not self._thread.is_alive():
-                raise RuntimeError("the engine thread has stopped")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+            return self._QUERIES[what](self)
+        reply = Reply()
+        self._commands.put(Query(what, reply))
+        return reply.wait(self._thread.is_alive)
 
     def _loop(self) -> None:
         while True:
@@ -379,7 +456,7 @@ class Engine:
             except queue.Empty:
                 command = None
             if command is not None:
-                if command[0] == "close":
+                if isinstance(command, Close):
                     self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
                     return
                 self._run_command(command)
@@ -393,43 +470,41 @@ class Engine:
             elif self.config.debug:
                 self._check()
 
-    def _run_command(self, command) -> None:
-        kind = command[0]
-        if kind == "add":
-            for req in command[1]:
+    def _run_command(self, command: Command) -> None:
+        if isinstance(command, AddRequests):
+            for req in command.reqs:
                 self.scheduler.add(req)
-        elif kind == "abort_all":
+        elif isinstance(command, AbortAll):
             self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
-        elif kind == "abort":
-            self._end([r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.sink[0].rid == command[1]],
+        elif isinstance(command, Abort):
+            self._end([r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.sink[0].rid == command.rid],
                       "abort")  # fmt: skip
-        elif kind == "call":
-            _, fn, box, done = command
+        elif isinstance(command, Query):
             try:
-                box["value"] = fn()
+                command.reply.set(self._QUERIES[command.what](self))
             except Exception as e:  # delivered to the caller's thread
-                box["error"] = e
-            done.set()
+                command.reply.set(error=e)
+        else:
+            raise TypeError(f"unknown engine command {type(command).__name__}")
 
-    def _end(self, reqs: list[Request], reason: str, error: str | None = None) -> None:
-        """Stop ``reqs`` wherever they are (their computed pages still enter the cache)
-        and report them finished with ``reason``."""
+    def _end(self, reqs: list[Request], reason: str, error: str | None = None, flush: bool = True) -> None:
+        """The one way a request ends (length, stop, abort, error): take ``reqs`` out of
+        the scheduler wherever they are (their computed pages still enter the cache),
+        record ``reason`` and deliver their final output."""
         for req in reqs:
             self.scheduler.remove(req)
             req.finish_reason, req.error = reason, error
-            self._finish(req, flush=True)
+            self._deliver(req, flush)
 
     def _step(self) -> None:
         sched = self.scheduler
         plan = sched.schedule()
         for req in sched.stopped:
-            self._finish(req, flush=True)
+            self._deliver(req, flush=True)
         sched.stopped.clear()
         if not plan:
             if not sched.running and sched.waiting:  # nothing fits even in an empty pool
-                req = sched.waiting.popleft()
-                req.finish_reason, req.error = "error", "not enough KV cache for this request"
-                self._finish(req, flush=True)
+                self._end([sched.waiting[0]], "error", "not enough KV cache for this request")
             return
         batch = sched.build_batch(plan, self.config.device)
         prompt_lp = [s for s in plan if s.req.params.prompt_logprobs_from is not None and s.start < len(s.req.prompt_ids)]
@@ -523,9 +598,7 @@ class Engine:
         elif reason is None and (len(req.output_ids) >= params.max_new_tokens or len(req.tokens) >= self.max_context):
             reason = "length"
         if reason is not None:
-            req.finish_reason = reason
-            self.scheduler.remove(req)
-            self._finish(req, flush=not cut)
+            self._end([req], reason, flush=not cut)
         else:
             self._emit(req, hold=max(map(len, params.stop), default=1) - 1)
 
@@ -540,7 +613,9 @@ class Engine:
         req.emitted = end
         req.emitted_tokens = len(req.output_ids)
 
-    def _finish(self, req: Request, flush: bool) -> None:
+    def _deliver(self, req: Request, flush: bool) -> None:
+        """A finished request's last text (unless a stop string cut it) and its result
+        to the caller's sink."""
         if flush:
             req.text += req.detok.flush()
         self._emit(req)
@@ -569,6 +644,8 @@ class Engine:
 
     def _check(self) -> None:
         self.kv.check(self.scheduler.owners())
+
+    _QUERIES = {"flush": _flush, "stats": _stats, "check": _check}  # what a Query may name
 
 
 class RequestStream:

@@ -3,8 +3,8 @@
 RMSNorm, RoPE (half-split layout, as HF stores q/k), GQA/MQA attention through a
 backend from ``radixkv.kernels``, SwiGLU MLP, tied or untied output head. One
 ``forward`` computes a whole ragged batch (``ForwardBatch``): every sequence's new
-tokens, attending to the KV already in the pool, whose new K/V are written at
-``out_slots``.
+tokens, attending to the KV already in the pool; per layer the pool stores the new
+tokens' K/V at ``out_slots`` (in its KV format) and the backend reads the layer's view.
 
 The arithmetic follows HF transformers' Llama step by step (norms in float32, the
 same RoPE tables), so results match it to float rounding.
@@ -98,7 +98,8 @@ class LlamaModel:
             qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k at once
             q, k = qk.split([hq, hkv], dim=1)
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
-            o = backend.forward(q, k, v, pool.k[i], pool.v[i], scale, cfg.sliding_window)
+            pool.store_kv(i, k, v, batch.out_slots)
+            o = backend.forward(q, k, v, pool.view(i), scale, cfg.sliding_window)
             x = x + _linear(o.reshape(-1, hq * d), w.o)
             h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
             gate, up = _linear(h, w.gate_up).chunk(2, dim=-1)

@@ -378,7 +378,7 @@ class Server:
             raise P.ApiError(503, "the request was aborted (the server is shutting down)", type="unavailable")
 
     def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+        return self.engine.decode([token_id])
 
     def _ids(self) -> tuple[str, int]:
         return uuid.uuid4().hex[:24], int(time.time())
@@ -398,7 +398,7 @@ class Server:
         params = P.sampling_params(fields, P.OPENAI_NAMES)
         ns = self._namespace(http, req.cache_salt)
         cons = await self._constraints(params, len(ids))
-        echo = [self.engine.tokenizer.decode(i) if req.echo else "" for i in ids]
+        echo = [self.engine.decode(i) if req.echo else "" for i in ids]
         rid, created = self._ids()
         rid = "cmpl-" + rid
         if req.stream:
@@ -605,8 +605,7 @@ class Server:
 
     async def tokenize(self, http: Http) -> None:
         req = await http.json(P.TokenizeRequest)
-        ids = await asyncio.to_thread(self.engine.tokenizer.encode, req.text, req.add_special_tokens,
-                                      req.split_special_tokens)  # fmt: skip
+        ids = await asyncio.to_thread(self.engine.encode, req.text, req.add_special_tokens, req.split_special_tokens)
         await http.send(200, P.encode({"tokens": ids}))
 
     async def render_chat(self, http: Http) -> None:

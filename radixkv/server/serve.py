@@ -21,7 +21,8 @@ HELP = {
     "kv_cache_tokens": "KV pool size in tokens (default: a 1 GiB pool)",
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
     "device": "torch device: cpu, cuda, cuda:1 ...",
-    "dtype": "weights and KV dtype: float32, bfloat16, float16",
+    "dtype": "weights and activations dtype: float32, bfloat16, float16",
+    "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
@@ -40,7 +41,8 @@ HELP = {
                                  "(each client still gets a JSON 503 or a final SSE error event)",
     "log_level": "uvicorn log level: critical, error, warning, info, debug",
 }
-CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16")}
+CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
+           "kv_dtype": ("auto", "fp32", "bf16", "fp16")}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
 
