@@ -11,7 +11,15 @@ replays the same trace in the same run when it is installed
 (``bash benchmarks/peers/setup_sglang.sh``); Belady's offline policy and unlimited
 capacity give the hit-rate references.
 
-    .venv/bin/python benchmarks/bench_radix.py [--json benchmarks/out/bench_radix.json]
+A second section times the whole per-request KV lifecycle on the mixed trace, page
+sizes 1 and 16: radixkv's ``KVCacheManager`` (admit -> reserve, evicting -> computed ->
+release) against SGLang's Rust radix tree core driven the way SGLang's scheduler drives
+it (match -> lock -> evict -> alloc -> insert, duplicates freed -> unlock; see
+``benchmarks/peers/sglang_rust_tree.py``), one wall time per request; target: radixkv
+at most 0.5x the Rust core's time.
+
+    .venv/bin/python benchmarks/bench_radix.py [--json benchmarks/out/bench_radix.json] [--lifecycle-only]
+    (--lifecycle-only: that section alone, into benchmarks/out/bench_radix_lifecycle.json)
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peers import sglang_tree  # noqa: E402
+from benchmarks.peers import sglang_rust_tree, sglang_tree  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
-from radixkv.cache import PageAllocator, RadixCache  # noqa: E402
+from radixkv.cache import KVCacheManager, PageAllocator, RadixCache, SeqKV  # noqa: E402
 from radixkv.cache import sim, traces  # noqa: E402
 
 OPS = ("match", "insert", "evict", "lock")
@@ -82,6 +90,110 @@ def replay_timed(prompts, capacity_pages: int, page_size: int) -> dict:
     }
 
 
+def replay_lifecycle(prompts, capacity_pages: int, page_size: int) -> dict:
+    """One request at a time through radixkv's ``KVCacheManager``, the whole per-request
+    KV lifecycle a serving engine runs for a prefill, timed as one span per request
+    (perf_counter_ns, gc off): a fresh ``SeqKV``; ``admit`` (match ``tokens[:-1]``,
+    lock, reference the cached pages); ``reserve`` the uncached tokens (evicting when
+    the pool is short); ``computed(seq, len)``; ``release`` (insert the whole pages,
+    the tree's duplicates go free, unlock, drop the references: the partial last page
+    goes free). A request ``reserve`` refuses is released at once, counted in
+    ``rejected``, its time kept.
+
+    Returns ``hit_rate`` (hit / prompt tokens), ``queried_tokens``, ``hit_tokens``
+    (what ``admit`` took from the cache, summed), ``evicted_pages``, ``rejected`` and
+    ``request_ns`` (one wall time per request), the shape of
+    ``sglang_rust_tree.replay``. Checks the pool and tree invariants at the end.
+    """
+    pool = PageAllocator(capacity_pages)
+    tree = RadixCache(pool, page_size)
+    kv = KVCacheManager(pool, tree, page_size)
+    request_ns = []
+    queried_tokens = hit_tokens = rejected = 0
+    clock = time.perf_counter_ns
+    gc.disable()
+    try:
+        for tokens in prompts:
+            num_tokens = len(tokens)
+            t0 = clock()
+            seq = SeqKV()
+            hit = kv.admit(seq, tokens)
+            reserved = kv.reserve(seq, num_tokens - seq.computed)
+            if reserved:
+                kv.computed(seq, num_tokens)
+            kv.release(seq, tokens)
+            request_ns.append(clock() - t0)
+            queried_tokens += num_tokens
+            hit_tokens += hit
+            rejected += not reserved
+    finally:
+        gc.enable()
+    kv.check([])
+    return {
+        "hit_rate": hit_tokens / queried_tokens if queried_tokens else 0.0,
+        "queried_tokens": queried_tokens,
+        "hit_tokens": hit_tokens,
+        "evicted_pages": tree.evicted_pages,
+        "rejected": rejected,
+        "request_ns": request_ns,
+    }
+
+
+LIFECYCLE_TARGET = 0.5  # radixkv's time per request / the Rust core's, at most
+
+
+def lifecycle_rows(fraction: float, repeat: int, rust_missing: str | None) -> list[dict]:
+    """The whole per-request lifecycle on the mixed trace at page sizes 1 and 16, at
+    ``fraction`` of its unique pages: per system the replay with the lowest mean of
+    ``repeat``; its hit rate, mean and p50 us per request. With the Rust core
+    available, also radixkv / Rust (mean and p50) against ``LIFECYCLE_TARGET``."""
+    trace = traces.synthetic("mixed")
+    prompts = [r.tokens for r in trace]
+    as_lists = [p.tolist() for p in prompts]
+    rows = []
+    for page_size in (1, 16):
+        capacity = max(1, int(fraction * sim.replay(trace, None, page_size).cached_pages))
+        systems = {"radixkv": lambda: replay_lifecycle(prompts, capacity, page_size)}
+        if rust_missing is None:
+            systems["sglang_rust"] = lambda: sglang_rust_tree.replay(as_lists, capacity, page_size)
+        row = {"workload": "mixed", "page_size": page_size, "capacity_pages": capacity, "requests": len(prompts)}
+        for system, run in systems.items():
+            best = min((run() for _ in range(repeat)), key=lambda r: np.mean(r["request_ns"]))
+            us = np.asarray(best["request_ns"], dtype=float) / 1000
+            row[system] = {
+                "hit_rate": best["hit_rate"], "hit_tokens": best["hit_tokens"],
+                "evicted_pages": best["evicted_pages"], "rejected": best["rejected"],
+                "mean_us": float(us.mean()), "p50_us": float(np.median(us)),
+            }  # fmt: skip
+        if rust_missing is None:
+            for stat in ("mean", "p50"):
+                row[f"ratio_{stat}"] = row["radixkv"][f"{stat}_us"] / row["sglang_rust"][f"{stat}_us"]
+            row["target_ratio"] = LIFECYCLE_TARGET
+        rows.append(row)
+    return rows
+
+
+def print_lifecycle(rows: list[dict], rust_missing: str | None) -> None:
+    """The "whole per-request lifecycle" table."""
+    print("\nwhole per-request lifecycle (mixed trace, one request at a time; us per request)")
+    head = f"{'P':>3} {'system':<12}{'hit %':>7}{'rejected':>9}{'mean us':>9}{'p50 us':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        for system in ("radixkv", "sglang_rust"):
+            if system in r:
+                s = r[system]
+                print(f"{r['page_size']:>3} {system:<12}{100 * s['hit_rate']:>7.2f}{s['rejected']:>9}"
+                      f"{s['mean_us']:>9.2f}{s['p50_us']:>8.2f}")  # fmt: skip
+        if "ratio_mean" in r:
+            verdict = "met" if max(r["ratio_mean"], r["ratio_p50"]) <= r["target_ratio"] else "NOT met"
+            print(f"{'':>4}radixkv/rust: mean {r['ratio_mean']:.2f}x, p50 {r['ratio_p50']:.2f}x "
+                  f"(target <= {r['target_ratio']}x: {verdict})")  # fmt: skip
+    print("lifecycle: admit/match + lock + evict when short + alloc + insert (duplicates freed) + unlock + free")
+    if rust_missing:
+        print(f"\nsglang_rust: not measured ({rust_missing})")
+
+
 def summarize(timings_us: dict, requests: int) -> dict:
     """Per op: calls, mean per request (total time / requests: evict runs only when the
     pool is short), mean and p99 per call."""
@@ -99,14 +211,19 @@ def summarize(timings_us: dict, requests: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="benchmarks/out/bench_radix.json")
+    ap.add_argument("--json", default=None,
+                    help="default benchmarks/out/bench_radix.json (bench_radix_lifecycle.json with --lifecycle-only)")
     ap.add_argument("--fraction", type=float, default=0.4, help="capacity as a fraction of unique pages")
     ap.add_argument("--repeat", type=int, default=3, help="timed replays per system; the best mean counts")
+    ap.add_argument("--lifecycle-only", action="store_true", help="only the whole per-request lifecycle section")
     args = ap.parse_args()
+    if args.json is None:
+        args.json = f"benchmarks/out/bench_radix{'_lifecycle' if args.lifecycle_only else ''}.json"
 
     peer_missing = sglang_tree.available()
+    rust_missing = sglang_rust_tree.available()
     rows = []
-    for workload in ("multi_turn", "few_shot", "branching", "mixed"):
+    for workload in ("multi_turn", "few_shot", "branching", "mixed") if not args.lifecycle_only else ():
         trace = traces.synthetic(workload)
         prompts = [r.tokens for r in trace]
         for page_size in (1, 16):
@@ -135,6 +252,13 @@ def main() -> None:
                     "ops": stats,
                 })  # fmt: skip
 
+    lifecycle = lifecycle_rows(args.fraction, args.repeat, rust_missing)
+    if args.lifecycle_only:
+        print_lifecycle(lifecycle, rust_missing)
+        write_result(args.json, rows, capacity_fraction=args.fraction, lifecycle=lifecycle,
+                     sglang_rust=rust_missing or "measured")  # fmt: skip
+        return
+
     head = f"{'workload':<11}{'P':>3} {'system':<8}{'hit %':>7}{'/belady':>8}{'belady':>8}{'unlim':>7}"
     head += "".join(f"{op + ' us/req | p99':>22}" for op in OPS)
     print(head)
@@ -150,8 +274,10 @@ def main() -> None:
     print("\nus/req: total time in the call / requests (evict runs only when the pool is short); p99 per call")
     if peer_missing:
         print(f"\nsglang: not measured ({peer_missing})")
+    print_lifecycle(lifecycle, rust_missing)
 
-    write_result(args.json, rows, capacity_fraction=args.fraction, sglang=peer_missing or "measured")
+    write_result(args.json, rows, capacity_fraction=args.fraction, sglang=peer_missing or "measured",
+                 lifecycle=lifecycle, sglang_rust=rust_missing or "measured")  # fmt: skip
 
 if __name__ == "__main__":
     main()
