@@ -168,6 +168,8 @@ def test_auto_follows_the_kv_device_and_dtype():
     except ImportError:
         half = "triton"
     assert get_backend("auto", "cuda:0", torch.bfloat16).name == half
+    # float32 queries over a bf16 cache: FlashInfer wants them equal, Triton reads both
+    assert get_backend("auto", "cuda", torch.bfloat16, torch.float32).name == "triton"
     assert get_backend("auto", "cpu", torch.bfloat16).name in ("cpu", "torch")
 
 
