@@ -23,8 +23,9 @@ from radixkv.cache.pool import KVPool, PoolConfig
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.radix import RadixCache
 from radixkv.engine.constrain import Constraint, Grammar
+from radixkv.engine.output import OutputProcessor
 from radixkv.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, StreamChunk, new_rid
-from radixkv.engine.sampling import Sampler, SamplerState, SamplingParams, prompt_logprobs
+from radixkv.engine.sampling import Sampler, SamplerState, SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.kernels import get_backend
 from radixkv.model.chat_template import ChatTemplate
@@ -226,6 +227,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
+        self.output = OutputProcessor(self.tokenizer.eos_token_ids, self.max_context)
         self.grammar = Grammar(self.tokenizer, mc.vocab_size)  # compiles regex constraints
         self.steps = 0
         self.generated_tokens = 0
@@ -494,13 +496,13 @@ class Engine:
         for req in reqs:
             self.scheduler.remove(req)
             req.finish_reason, req.error = reason, error
-            self._deliver(req, flush)
+            self.output.deliver(req, flush)
 
     def _step(self) -> None:
         sched = self.scheduler
         plan = sched.schedule()
         for req in sched.stopped:
-            self._deliver(req, flush=True)
+            self.output.deliver(req, flush=True)
         sched.stopped.clear()
         if not plan:
             if not sched.running and sched.waiting:  # nothing fits even in an empty pool
@@ -519,107 +521,30 @@ class Engine:
             ends = batch.qo_indptr[1:].tolist()
             for s, end in zip(plan, ends):
                 if s in prompt_lp:
-                    self._prompt_logprobs(s, logits[end - s.count : end])
+                    self.output.prompt_logprobs(s.req, s.start, logits[end - s.count : end])
             logits = logits[torch.tensor(ends, device=logits.device) - 1]
         sampling = [i for i, s in enumerate(plan) if s.samples]
         if not sampling:
             return
-        failed = self._apply_constraints(plan, sampling, logits)
-        if failed:
-            sampling = [i for i in sampling if i not in failed]
-            if not sampling:
-                return
-        rows = logits[sampling]
-        if any(plan[i].req.constraint is not None for i in sampling):
-            rows = rows.clone()  # the masks below write into it
-            for j, i in enumerate(sampling):
-                c = plan[i].req.constraint
-                if c is not None:
-                    rows[j].masked_fill_(~c.allowed().to(rows.device), float("-inf"))
-        result = self.sampler.sample(rows, [plan[i].req.sampler for i in sampling])
-        for j, i in enumerate(sampling):
-            self._append(plan[i].req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])
-
-    def _apply_constraints(self, plan, sampling: list[int], logits: torch.Tensor) -> set[int]:
-        """Compute the constrained rows' masks (bounded work each, see constrain.py);
-        end the requests whose constraint failed (a grammar limit hit) and return their
-        plan indices."""
-        failed = set()
+        kept = []
         for i in sampling:
-            c = plan[i].req.constraint
-            if c is None:
-                continue
-            c.allowed()
-            if c.error is not None or not bool(c.allowed()[: logits.shape[1]].any()):
-                failed.add(i)
-                req = plan[i].req
+            req = plan[i].req
+            error = self.output.constraint_error(req, logits.shape[1])
+            if error is None:
+                kept.append(i)
+            else:
                 req.error_param = "regex"
-                self._end([req], "error", f"regex: the constraint failed: {c.error or 'no token can continue'}")
-        return failed
-
-    def _prompt_logprobs(self, s, rows: torch.Tensor) -> None:
-        """Logprob of each prompt token from ``prompt_logprobs_from`` on; row t of the step
-        predicts token t + 1."""
-        req = s.req
-        first = max(req.params.prompt_logprobs_from, 1)
-        if not req.prompt_logprobs:
-            req.prompt_logprobs = [None] * len(req.prompt_ids)
-        targets = [(t, t + 1) for t in range(s.start, s.start + s.count) if first <= t + 1 < len(req.prompt_ids)]
-        if targets:
-            idx = torch.tensor([t - s.start for t, _ in targets], device=rows.device)
-            ids = torch.tensor([req.prompt_ids[u] for _, u in targets], device=rows.device)
-            for (_, u), lp in zip(targets, prompt_logprobs(rows[idx], ids)):
-                req.prompt_logprobs[u] = lp
-
-    def _append(self, req: Request, token: int, logprob, top) -> None:
-        """Add a sampled token; decide whether the request stops; stream what is safe."""
-        params = req.params
-        req.tokens.append(token)
-        req.output_ids.append(token)
-        req.sampler.append(token)
-        req.token_times.append(time.perf_counter())
-        self.generated_tokens += 1
-        if params.logprobs:
-            req.logprobs.append(logprob)
-        if params.top_logprobs:
-            req.top_logprobs.append(top)
-        reason = None
-        if (token in self.tokenizer.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = "stop"
-        if req.constraint is not None:
-            req.constraint.advance(token)
-            if req.constraint.done:  # nothing may follow (the match ended, or EOS was taken)
-                reason = "stop"
-        before = len(req.text)
-        req.text += req.detok.add(token)
-        cut = bool(params.stop) and _cut_at_stop(req, before)
-        if cut:
-            reason = "stop"
-        elif reason is None and (len(req.output_ids) >= params.max_new_tokens or len(req.tokens) >= self.max_context):
-            reason = "length"
-        if reason is not None:
-            self._end([req], reason, flush=not cut)
-        else:
-            self._emit(req, hold=max(map(len, params.stop), default=1) - 1)
-
-    def _emit(self, req: Request, hold: int = 0) -> None:
-        """Stream new token ids and the text except its last ``hold`` characters."""
-        sink, index = req.sink
-        end = max(req.emitted, len(req.text) - hold)
-        new = slice(req.emitted_tokens, None)
-        sink.chunk(index, req.text[req.emitted : end], req.output_ids[new], req.finish_reason,
-                   req.logprobs[new] if req.params.logprobs else None,
-                   req.top_logprobs[new] if req.params.top_logprobs else None)  # fmt: skip
-        req.emitted = end
-        req.emitted_tokens = len(req.output_ids)
-
-    def _deliver(self, req: Request, flush: bool) -> None:
-        """A finished request's last text (unless a stop string cut it) and its result
-        to the caller's sink."""
-        if flush:
-            req.text += req.detok.flush()
-        self._emit(req)
-        req.sink[0].finished(req.sink[1], req)
+                self._end([req], "error", error)
+        if not kept:
+            return
+        reqs = [plan[i].req for i in kept]
+        rows = self.output.mask(logits[kept], reqs)
+        result = self.sampler.sample(rows, [r.sampler for r in reqs])
+        for j, req in enumerate(reqs):
+            reason, flush = self.output.append(req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])
+            self.generated_tokens += 1
+            if reason is not None:
+                self._end([req], reason, flush=flush)
 
     def _flush(self) -> bool:
         if self.scheduler.has_work():
@@ -680,15 +605,3 @@ class RequestStream:
 
     async def __aexit__(self, *exc) -> None:
         self.abort()
-
-
-def _cut_at_stop(req: Request, before: int) -> bool:
-    """Cut ``req.text`` at the first stop string that the new text completes."""
-    longest = max(map(len, req.params.stop))
-    start = max(0, before - longest + 1)
-    hits = [i for i in (req.text.find(s, start) for s in req.params.stop) if i >= 0]
-    if not hits:
-        return False
-    req.text = req.text[: min(hits)]
-    return True
-

@@ -1,0 +1,134 @@
+"""Output processing: what happens to a request between the model's logits and its caller.
+
+The engine loop schedules and runs the model; everything a request's output needs after
+that is here: prompt logprobs from a step's rows, constraint masks on the logits, and per
+sampled token the stop decision (EOS, stop token ids, a finished constraint, a stop
+string, the length limits), incremental detokenization, stop strings cut exactly (also
+across tokens) and streaming only text no stop string can still remove. It mutates the
+``Request`` it is given and sends to its sink; it never touches the scheduler or KV
+memory, so ending a request stays the loop's (``Engine._end``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from radixkv.engine.request import Request
+from radixkv.engine.sampling import prompt_logprobs
+
+
+class OutputProcessor:
+    """Per-token output work for one engine (its tokenizer's EOS ids, its context)."""
+
+    def __init__(self, eos_token_ids, max_context: int):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_context = max_context
+
+    # -- before sampling ---------------------------------------------------------------------
+
+    @staticmethod
+    def prompt_logprobs(req: Request, start: int, rows: torch.Tensor) -> None:
+        """Logprob of each prompt token from ``prompt_logprobs_from`` on, for the step that
+        computed prompt positions ``start..start+len(rows)-1`` (row t predicts token t+1)."""
+        first = max(req.params.prompt_logprobs_from, 1)
+        if not req.prompt_logprobs:
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
+        count = rows.shape[0]
+        targets = [(t, t + 1) for t in range(start, start + count) if first <= t + 1 < len(req.prompt_ids)]
+        if targets:
+            idx = torch.tensor([t - start for t, _ in targets], device=rows.device)
+            ids = torch.tensor([req.prompt_ids[u] for _, u in targets], device=rows.device)
+            for (_, u), lp in zip(targets, prompt_logprobs(rows[idx], ids)):
+                req.prompt_logprobs[u] = lp
+
+    @staticmethod
+    def constraint_error(req: Request, vocab: int) -> str | None:
+        """Compute ``req``'s constraint mask (bounded work, see constrain.py); the error
+        that ends it when the constraint failed (a grammar limit hit, no token left)."""
+        c = req.constraint
+        if c is None:
+            return None
+        allowed = c.allowed()
+        if c.error is not None or not bool(allowed[:vocab].any()):
+            return f"regex: the constraint failed: {c.error or 'no token can continue'}"
+        return None
+
+    @staticmethod
+    def mask(rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """``rows`` (one per request) with each constrained request's disallowed tokens
+        at -inf: a copy when any request is constrained, else ``rows`` itself."""
+        if all(r.constraint is None for r in reqs):
+            return rows
+        rows = rows.clone()
+        for j, r in enumerate(reqs):
+            if r.constraint is not None:
+                rows[j].masked_fill_(~r.constraint.allowed().to(rows.device), float("-inf"))
+        return rows
+
+    # -- after sampling ----------------------------------------------------------------------
+
+    def append(self, req: Request, token: int, logprob, top) -> tuple[str | None, bool]:
+        """Record a sampled token and decide whether ``req`` stops. Returns ``(reason,
+        flush)``: ``reason`` None (then what is safe has been streamed) or "stop" /
+        "length"; ``flush`` False when a stop string cut the text (the detokenizer's
+        held-back bytes lie past the cut)."""
+        params = req.params
+        req.tokens.append(token)
+        req.output_ids.append(token)
+        req.sampler.append(token)
+        req.token_times.append(time.perf_counter())
+        if params.logprobs:
+            req.logprobs.append(logprob)
+        if params.top_logprobs:
+            req.top_logprobs.append(top)
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        if req.constraint is not None:
+            req.constraint.advance(token)
+            if req.constraint.done:  # nothing may follow (the match ended, or EOS was taken)
+                reason = "stop"
+        before = len(req.text)
+        req.text += req.detok.add(token)
+        cut = bool(params.stop) and cut_at_stop(req, before)
+        if cut:
+            reason = "stop"
+        elif reason is None and (len(req.output_ids) >= params.max_new_tokens or len(req.tokens) >= self.max_context):
+            reason = "length"
+        if reason is None:
+            self.emit(req, hold=max(map(len, params.stop), default=1) - 1)
+        return reason, not cut
+
+    @staticmethod
+    def emit(req: Request, hold: int = 0) -> None:
+        """Stream new token ids and the text except its last ``hold`` characters."""
+        sink, index = req.sink
+        end = max(req.emitted, len(req.text) - hold)
+        new = slice(req.emitted_tokens, None)
+        sink.chunk(index, req.text[req.emitted : end], req.output_ids[new], req.finish_reason,
+                   req.logprobs[new] if req.params.logprobs else None,
+                   req.top_logprobs[new] if req.params.top_logprobs else None)  # fmt: skip
+        req.emitted = end
+        req.emitted_tokens = len(req.output_ids)
+
+    @classmethod
+    def deliver(cls, req: Request, flush: bool) -> None:
+        """A finished request's last text (unless a stop string cut it) and its result
+        to the caller's sink."""
+        if flush:
+            req.text += req.detok.flush()
+        cls.emit(req)
+        req.sink[0].finished(req.sink[1], req)
+
+
+def cut_at_stop(req: Request, before: int) -> bool:
+    """Cut ``req.text`` at the first stop string that the new text completes."""
+    longest = max(map(len, req.params.stop))
+    start = max(0, before - longest + 1)
+    hits = [i for i in (req.text.find(s, start) for s in req.params.stop) if i >= 0]
+    if not hits:
+        return False
+    req.text = req.text[: min(hits)]
+    return True
