@@ -10,7 +10,7 @@ fp16/bf16/fp32 caches, and accumulate in float32.
 - ``_extend``: several new tokens per sequence. Each program takes a block of one
   sequence's new tokens, either for one query head or (``PACK_GQA``) for all query heads
   of one KV head packed into its rows, so K/V is read once per group. It streams its
-  context (cached pages, then the new tokens the store kernel just wrote): whole blocks
+  context (cached pages, then the new tokens the pool just stored): whole blocks
   before its first row without any mask, then the causal diagonal masked; with a
   sliding window it starts at the first row's window. Scores are in log2 units (exp2).
 

@@ -53,10 +53,13 @@ def http(server):
 
 @pytest.fixture(autouse=True)
 def integrity_after_each_test(request):
+    """Every test that uses the module's server leaves it idle, healthy and consistent
+    (``tests/test_server_hostile.py`` imports this fixture too)."""
     client = request.getfixturevalue("http") if "server" in request.fixturenames else None
     yield
     if client is not None:
         wait_idle(client)
+        assert client.get("/health").status_code == 200
         r = client.get("/debug/integrity")
         assert r.status_code == 200, r.text
 

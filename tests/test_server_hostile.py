@@ -18,7 +18,7 @@ import pytest
 
 from radixkv.engine.constrain import MAX_REPEAT
 from radixkv.server.process import ServerProcess
-from test_server import wait_idle
+from test_server import integrity_after_each_test, wait_idle  # noqa: F401  (integrity_after_each_test: autouse)
 
 MODEL = "smollm2-135m-instruct"
 POOL_TOKENS = 2048
@@ -36,17 +36,6 @@ def server(tmp_path_factory):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
-
-
-@pytest.fixture(autouse=True)
-def healthy_after_each_test(request):
-    client = request.getfixturevalue("http") if "server" in request.fixturenames else None
-    yield
-    if client is not None:
-        wait_idle(client)
-        assert client.get("/health").status_code == 200
-        r = client.get("/debug/integrity")
-        assert r.status_code == 200, r.text
 
 
 def rss_mb(server) -> float:

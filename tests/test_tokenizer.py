@@ -312,13 +312,17 @@ def small_vocab(smollm):
     return tokens, types, merges
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-4o", "smollm"])
-def test_gguf_pre_tokenizers_match_transformers(small_vocab, tmp_path, pre):
+def _small_vocab_pair(small_vocab, tmp_path, pre):
+    """Ours and transformers' tokenizer of one small GGUF vocabulary with BOS added."""
     tokens, types, merges = small_vocab
     path = _write_gguf(tmp_path / "t.gguf", tokens, types, merges, model="gpt2", pre=pre, bos_token_id=1,
                        eos_token_id=2, add_bos_token=True)
-    loaded = Tokenizer.from_gguf(path)
-    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    return Tokenizer.from_gguf(path), transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-4o", "smollm"])
+def test_gguf_pre_tokenizers_match_transformers(small_vocab, tmp_path, pre):
+    loaded, reference = _small_vocab_pair(small_vocab, tmp_path, pre)
     texts = [*CORPUS, "<think>reason</think>", "x ▁mislabelled"]
     mismatched = [t for t in texts if loaded.encode(t) != reference.encode(t)]
     assert mismatched == []
@@ -501,17 +505,13 @@ def test_encode_literal_splits_only_special_text_inside_the_spans(ours):
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "smollm"])
 def test_split_and_literal_with_bos_and_non_special_added_tokens(small_vocab, tmp_path, pre):
-    tokens, types, merges = small_vocab
-    path = _write_gguf(tmp_path / "t.gguf", tokens, types, merges, model="gpt2", pre=pre, bos_token_id=1,
-                       eos_token_id=2, add_bos_token=True)
-    loaded = Tokenizer.from_gguf(path)
-    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    loaded, reference = _small_vocab_pair(small_vocab, tmp_path, pre)
     for text in [*CORPUS, "<think>a<|im_end|></think>"]:
         split = loaded.encode(text, split_special_tokens=True)
         assert split == reference.encode(text, split_special_tokens=True), text
         assert loaded.encode_literal(text, []) == loaded.encode(text)
         assert loaded.encode_literal(text, [(0, len(text))]) == split
-    assert loaded.encode("<think>", split_special_tokens=True) == [1, tokens.index("<think>")]  # not special
+    assert loaded.encode("<think>", split_special_tokens=True) == [1, small_vocab[0].index("<think>")]  # not special
 
 
 def test_sentencepiece_split_special_tokens_and_literal_spans(llama_style_spm, tmp_path):

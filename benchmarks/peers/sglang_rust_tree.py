@@ -28,19 +28,15 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
-import importlib.util
 import re
 import sys
 import time
 from array import array
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-SGLANG_VERSION = "0.5.23"
-PEER_DIR = Path(__file__).resolve().parents[2] / ".peers" / "sglang"
-_SETUP_HINT = "run benchmarks/peers/setup_sglang.sh from the repo root"
+from benchmarks.peers.sglang_tree import PEER_DIR, SGLANG_VERSION, register_package, unavailable
 _EXTENSION = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
 _FULL = 0  # sglang.srt.mem_cache.unified_cache.component_type.ComponentType.FULL
 
@@ -48,24 +44,9 @@ _FULL = 0  # sglang.srt.mem_cache.unified_cache.component_type.ComponentType.FUL
 @functools.lru_cache(maxsize=1)
 def _load() -> ModuleType:
     """Import the Rust TreeCore extension from ``PEER_DIR``; raise ImportError if it cannot."""
-    package_dir = PEER_DIR / "sglang"
-    if not (package_dir / "__init__.py").is_file():
-        raise ImportError(f"sglang is not installed in {PEER_DIR}")
-    if str(PEER_DIR) not in sys.path:
-        sys.path.append(str(PEER_DIR))
-    if "sglang" not in sys.modules:  # registered, not run (as in sglang_tree)
-        spec = importlib.util.spec_from_file_location(
-            "sglang", package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
-        )
-        if spec is None:
-            raise ImportError(f"cannot load the sglang package from {package_dir}")
-        sys.modules["sglang"] = importlib.util.module_from_spec(spec)
-
+    register_package()
     from sglang.srt.rust_extensions.torch_build import _MAX_SUPPORTED_TORCH, _MIN_SUPPORTED_TORCH
-    from sglang.version import __version__
 
-    if __version__ != SGLANG_VERSION:
-        raise ImportError(f"found sglang {__version__}, the adapter is written for {SGLANG_VERSION}")
     found = re.match(r"^(\d+)\.(\d+)", torch.__version__)
     if found is None or not (
         _MIN_SUPPORTED_TORCH <= (int(found.group(1)), int(found.group(2))) <= _MAX_SUPPORTED_TORCH
@@ -79,8 +60,7 @@ def available() -> str | None:
     try:
         _load()
     except Exception as exc:  # noqa: BLE001 - any import-time failure means "not available"
-        first_line = (str(exc).splitlines() or [""])[0]
-        return f"SGLang Rust tree core unavailable ({type(exc).__name__}: {first_line}); {_SETUP_HINT}"
+        return unavailable("SGLang Rust tree core", exc)
     return None
 
 
@@ -323,7 +303,7 @@ def _check_no_leak(tree, allocator: _PagedFreeList, capacity_pages: int) -> None
         )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m benchmarks.peers.sglang_rust_tree
     _reason = available()
     print(_reason or f"SGLang {SGLANG_VERSION} Rust tree core importable from {PEER_DIR}")
     sys.exit(1 if _reason else 0)

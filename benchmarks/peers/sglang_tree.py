@@ -96,9 +96,10 @@ class _SGLang:
     EvictParams: Any
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> _SGLang:
-    """Import SGLang's radix tree from ``PEER_DIR``; raise ImportError if it cannot."""
+def register_package() -> None:
+    """Make ``sglang`` importable from ``PEER_DIR`` with its ``__init__`` registered but
+    not run (it would pull in the whole server); check its version. Raises ImportError.
+    Shared with ``sglang_rust_tree``."""
     package_dir = PEER_DIR / "sglang"
     if not (package_dir / "__init__.py").is_file():
         raise ImportError(f"sglang is not installed in {PEER_DIR}")
@@ -113,7 +114,22 @@ def _load() -> _SGLang:
         if spec is None:
             raise ImportError(f"cannot load the sglang package from {package_dir}")
         sys.modules["sglang"] = importlib.util.module_from_spec(spec)
+    from sglang.version import __version__
 
+    if __version__ != SGLANG_VERSION:
+        raise ImportError(f"found sglang {__version__}, the adapter is written for {SGLANG_VERSION}")
+
+
+def unavailable(what: str, exc: BaseException) -> str:
+    """The one-line reason a peer could not be loaded, with how to fix it."""
+    first_line = (str(exc).splitlines() or [""])[0]
+    return f"{what} unavailable ({type(exc).__name__}: {first_line}); {_SETUP_HINT}"
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> _SGLang:
+    """Import SGLang's radix tree from ``PEER_DIR``; raise ImportError if it cannot."""
+    register_package()
     stubbed = [name for name in _STUBBED_MODULES if name not in sys.modules]
     for name in stubbed:
         sys.modules[name] = _StubModule(name)
@@ -125,15 +141,9 @@ def _load() -> _SGLang:
         )
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-        from sglang.version import __version__
     finally:
         for name in stubbed:
             del sys.modules[name]
-
-    if __version__ != SGLANG_VERSION:
-        raise ImportError(
-            f"found sglang {__version__}, the adapter is written for {SGLANG_VERSION}"
-        )
     return _SGLang(
         RadixCache=RadixCache,
         RadixKey=RadixKey,
@@ -149,8 +159,7 @@ def available() -> str | None:
     try:
         _load()
     except Exception as exc:  # noqa: BLE001 - any import-time failure means "not available"
-        first_line = (str(exc).splitlines() or [""])[0]
-        return f"SGLang peer unavailable ({type(exc).__name__}: {first_line}); {_SETUP_HINT}"
+        return unavailable("SGLang peer", exc)
     return None
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from radixkv.cache.pool import PageAllocator, PageIds
 from radixkv.cache.radix import Node, RadixCache
+from radixkv.errors import IntegrityError
 from radixkv.validate import ceil_div
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -170,7 +171,7 @@ class KVCacheManager:
         node = inserted.node
         if inserted.num_cached > seq.published:  # the tree had some of these: own copies may be dupes
             n = whole // self.page_size
-            held = self._node_pages(node, n)
+            held = node.path_pages()[:n]
             dupes = seq.pages[:n] != held
             if dupes.any():
                 self.pool.incref(held[dupes])
@@ -226,22 +227,10 @@ class KVCacheManager:
             for page, n in self.owners(seqs).items():
                 expected[page] = n
             if not np.array_equal(refs, expected):
-                from radixkv.errors import IntegrityError
-
                 bad = int(np.flatnonzero(refs != expected)[0])
                 raise IntegrityError(f"page {bad}: refcount {refs[bad]} but sequences hold {expected[bad]}")
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _node_pages(self, node: Node, n: int) -> PageIds:
-        """The first ``n`` pages on the path from the root to ``node`` (which ends at
-        page ``n``)."""
-        parts = []
-        while node is not None and node.parent is not None:
-            parts.append(node.pages)
-            node = node.parent
-        pages = np.concatenate(parts[::-1]) if parts else _EMPTY
-        return pages[:n]
 
     @staticmethod
     def _set(seq: SeqKV, pages: PageIds, node: Node | None, computed: int) -> None:

@@ -114,6 +114,15 @@ class Node:
             node = node.parent
         return b"".join(reversed(parts))
 
+    def path_pages(self) -> PageIds:
+        """All pages from the root to the end of this node, in order (a new array)."""
+        parts = []
+        node = self
+        while node is not None:
+            parts.append(node.pages)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if len(parts) > 1 else _EMPTY_PAGES
+
     def __repr__(self) -> str:
         return f"Node(tokens={self.num_tokens}, pages={len(self.pages)}, lock_ref={self.lock_ref})"
 

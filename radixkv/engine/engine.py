@@ -422,14 +422,14 @@ class Engine:
         """``prompt`` (text or token ids) as checked token ids: not empty, in the
         vocabulary, shorter than the context and the pool. Raises ValueError/TypeError."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
         else:
             raise TypeError("a prompt must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt must not be empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
         if len(ids) >= self.max_context:
