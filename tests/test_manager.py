@@ -8,10 +8,14 @@ from array import array
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixkv.cache import PageAllocator, RadixCache, sim
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.traces import TraceRequest
+from radixkv.errors import IntegrityError
 
 PS = 2
 
@@ -47,9 +51,11 @@ def test_lifecycle_with_exact_pages():
     b = SeqKV()
     assert kv.admit(b, [1, 2, 3, 4, 9, 9]) == 4  # tokens[:-1] = 1 2 3 4 9: two whole pages cached
     assert ids(b.pages) == [0, 1] and b.cached_tokens == 4
-    assert kv.pool.refcount([0, 1, 2]).tolist() == [3, 3, 1]  # tree + a + b; a's partial page
+    # one owner per page: the tree's pages 0, 1 (a and b read them under their locks), a's partial page
+    assert kv.pool.refcount([0, 1, 2]).tolist() == [1, 1, 1] and b.node is a.node and a.node.lock_ref == 2
     kv.release(a, prompt + [7])  # computed 5: pages 0, 1 published already, page 2 partial: freed
-    assert kv.pool.refcount([0, 1, 2]).tolist() == [2, 2, 0] and len(a.pages) == 0 and a.computed == 0
+    assert kv.pool.refcount([0, 1, 2]).tolist() == [1, 1, 0] and len(a.pages) == 0 and a.computed == 0
+    assert b.node.lock_ref == 1 and kv.tree.evictable_pages == 0
     kv.check([b])
     kv.release(b, [1, 2, 3, 4, 9, 9])
     kv.check([])
@@ -100,6 +106,24 @@ def test_recompute_from_takes_only_the_pages_before_it_and_leaves_the_rest_evict
     kv.check([])
 
 
+def test_check_proves_shared_pages_are_those_of_the_locked_path():
+    kv = manager()
+    a = SeqKV()
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    run(kv, a, prompt, 7, chunk=8)
+    kv.release(a, prompt)  # pages 0, 1, 2 cached
+    b = SeqKV()
+    assert kv.admit(b, prompt) == 6 and ids(b.pages) == [0, 1, 2]
+    kv.check([b])
+    b.pages = np.array([0, 2, 1], dtype=np.int32)  # the same pages under the wrong tokens
+    with pytest.raises(IntegrityError, match="not the pages of its locked path"):
+        kv.check([b])
+    b.pages = np.array([0, 1, 2], dtype=np.int32)
+    kv.tree.unlock(b.node)
+    with pytest.raises(IntegrityError, match="evicted or unlocked"):
+        kv.check([b])
+
+
 def test_without_a_tree_nothing_is_shared():
     kv = manager(tree=False)
     a, b = SeqKV(), SeqKV()
@@ -120,6 +144,89 @@ def test_computed_cannot_pass_the_page_table():
     kv.reserve(a, 3)
     with pytest.raises(ValueError, match="computed must grow within the page table"):
         kv.computed(a, 5)
+
+
+# -- random lifecycles: every page a sequence reads holds its own tokens ----------------------
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Sequences admitted, grown chunk by chunk, published, preempted and released at
+    random over a small pool. Each computed token "writes" its id into its slot of a
+    shadow pool, so a page table that ever points at a page holding other tokens (a
+    cached page under the wrong identity, a page freed and reused while still read) is
+    caught; ``check`` proves the one-owner accounting after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = manager(12)
+        self.shadow: dict[int, list] = {}  # page -> the token ids written into its slots
+        self.running: list[tuple[SeqKV, list[int]]] = []
+        self.seen = [[1, 2, 3, 4, 5, 6]]
+
+    def _written(self, seq: SeqKV, tokens, start: int, end: int) -> None:
+        for pos in range(start, end):
+            self.shadow.setdefault(int(seq.pages[pos // PS]), [None] * PS)[pos % PS] = tokens[pos]
+
+    @precondition(lambda self: len(self.running) < 3)
+    @rule(data=st.data(), recompute=st.booleans())
+    def admit(self, data, recompute):
+        base = data.draw(st.sampled_from(self.seen))
+        tokens = base[: data.draw(st.integers(0, len(base)))] + data.draw(st.lists(st.integers(1, 3), min_size=2, max_size=7))
+        self.seen.append(tokens)
+        seq = SeqKV(namespace=data.draw(st.sampled_from([None, "t"])))
+        self.kv.admit(seq, tokens, recompute_from=data.draw(st.integers(0, len(tokens))) if recompute else None)
+        self.running.append((seq, tokens))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), commit=st.booleans())
+    def compute(self, data, commit):
+        seq, tokens = data.draw(st.sampled_from(self.running))
+        count = data.draw(st.integers(0, len(tokens) - seq.computed))
+        if not count or not self.kv.reserve(seq, count):
+            return
+        start = seq.computed
+        self.kv.computed(seq, start + count)
+        self._written(seq, tokens, start, start + count)
+        if commit:
+            self.kv.commit(seq, tokens)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def release(self, data, preempt):
+        i = data.draw(st.integers(0, len(self.running) - 1))
+        seq, tokens = self.running[i]
+        self.kv.release(seq, tokens)
+        if preempt:
+            self.kv.admit(seq, tokens)  # back in the queue: takes what its release published
+        else:
+            del self.running[i]
+
+    @rule()
+    def flush(self):
+        self.kv.flush()
+
+    @invariant()
+    def pages_hold_their_tokens(self):
+        self.kv.check([s for s, _ in self.running])
+        for seq, tokens in self.running:
+            for pos in range(seq.computed):
+                assert self.shadow[int(seq.pages[pos // PS])][pos % PS] == tokens[pos], (seq, pos)
+        for node in self.kv.tree.nodes():  # and the tree serves each page under its own tokens
+            tokens = array("i", node.path_key()).tolist()
+            for i, page in enumerate(node.path_pages().tolist()):
+                assert self.shadow[page] == tokens[i * PS : (i + 1) * PS], (node, i)
+
+    def teardown(self):
+        for seq, tokens in self.running:
+            self.kv.release(seq, tokens)
+        self.kv.check([])
+        self.kv.flush()
+        assert self.kv.pool.num_free() == self.kv.pool.num_pages
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
 
 # -- the simulator replays what the engine does ---------------------------------------------

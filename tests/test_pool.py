@@ -202,14 +202,29 @@ def test_kv_pool_on_cuda():
     pool.check_integrity()
 
 
-def test_incref_distinct_refuses_repeated_ids_and_changes_nothing():
+def test_free_takes_only_sole_owned_distinct_pages_and_changes_nothing_else():
+    alloc = PageAllocator(8)
+    pages = alloc.alloc(4)  # 0 1 2 3
+    alloc.incref([pages[1], pages[1]])  # a repeat is two references
+    assert alloc.refcount(pages).tolist() == [1, 3, 1, 1]
+    with pytest.raises(ValueError, match=rf"exactly one owner.*\[{pages[1]}\]"):
+        alloc.free([pages[0], pages[1]])
+    with pytest.raises(ValueError, match=rf"pages lists ids twice: \[{pages[2]}\]"):
+        alloc.free([pages[2], pages[0], pages[2]])
+    with pytest.raises(ValueError, match="must lie in"):
+        alloc.free([pages[0], 8])
+    assert alloc.refcount(pages).tolist() == [1, 3, 1, 1] and alloc.num_free() == 4
+    assert alloc.free([pages[3], pages[0]]) == 2 and alloc.refcount(pages).tolist() == [0, 3, 1, 0]
+    assert alloc.alloc(2).tolist() == [0, 3]  # the lowest freed id comes back first
+    alloc.check_integrity()
+
+
+def test_release_frees_sole_owned_pages_and_drops_shared_ones_by_one():
     alloc = PageAllocator(8)
     pages = alloc.alloc(3)
-    before = alloc.refcount(pages).tolist()
-    with pytest.raises(ValueError, match=rf"pages lists ids twice: \[{pages[1]}\]"):
-        alloc.incref([pages[0], pages[1], pages[2], pages[1]], distinct=True)
-    assert alloc.refcount(pages).tolist() == before
-    alloc.incref([pages[1], pages[1]])  # without distinct a repeat is two references
-    assert alloc.refcount(pages).tolist() == [before[0], before[1] + 2, before[2]]
-    alloc.incref(pages, distinct=True)
+    alloc.incref([pages[1]])
+    assert alloc.release(pages) == 2 and alloc.refcount(pages).tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="more often than owned"):
+        alloc.release(np.array([pages[1], pages[1]], dtype=np.int32))
+    assert alloc.refcount(pages).tolist() == [0, 1, 0] and alloc.num_free() == 7
     alloc.check_integrity()

@@ -388,6 +388,27 @@ def test_insert_rejects_a_page_listed_twice_and_changes_nothing():
     t.check_integrity(external_refs={})
 
 
+def test_insert_adopt_takes_over_the_callers_reference_and_validates_the_same():
+    a, t = make()
+    put(t, [1, 2])  # pages 0, 1
+    mine = a.alloc(3)  # 2, 3, 4
+    before = _snapshot(t)
+    with pytest.raises(ValueError, match=r"pages .*twice.*\[3\]"):
+        t.insert([1, 2, 3, 4, 5], [0, 1, 3, 3, 4], adopt=True)
+    with pytest.raises(ValueError, match=r"not owned by anybody cannot be adopted"):
+        t.insert([7, 8], [2, 9], adopt=True)  # page 9 is free
+    with pytest.raises(ValueError, match=r"pages .*held by the tree.*\[1\]"):
+        t.insert([7, 8], [2, 1], adopt=True)
+    _assert_unchanged(t, before)
+    ins = t.insert([1, 2, 3, 4], [5, 5, 2, 3], adopt=True)  # 1, 2 cached: the caller's "copies" are not read
+    assert ins.num_cached == 2 and ins.node.path_pages().tolist() == [0, 1, 2, 3]
+    assert a.refcount([2, 3, 4]).tolist() == [1, 1, 1]  # the tree owns 2, 3 now; 4 is still the caller's
+    t.check_integrity(external_refs={4: 1})
+    a.free([4])
+    assert t.evict(4) == 4 and a.num_free() == 64
+    t.check_integrity(external_refs={})
+
+
 def test_insert_rejects_pages_the_tree_already_holds_in_any_namespace():
     a, t = make()
     held, _ = put(t, [1, 2, 3, 4])  # pages 0..3, one edge

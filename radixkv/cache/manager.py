@@ -8,18 +8,27 @@ sequence's state is a ``SeqKV`` handle, which only the manager changes:
     tokens   |============= prompt =============|======= output =======|
              |== published: whole pages in the tree, path locked ==|
              |================ computed: KV in pages =================|todo|
-    pages    |== the tree's pages (shared) ==|== own pages ==|partial|
+    pages    |== the tree's (locked, no reference) ==|== own: one reference each ==|
+
+Every page has one owner: the tree, or the one sequence that computed it and has not
+published it yet. A sequence reads the tree's pages under the lock on its node (locked
+nodes are never evicted), as SGLang's scheduler does, so admitting and releasing a
+sequence costs no reference counting on the pages it shares; publishing hands the
+sequence's reference to the tree (``insert(adopt=True)``).
 
 Life of a sequence:
 
-    admit    match tokens[:-1] in the tree, lock the match, take a reference on its pages
+    admit    match tokens[:-1] in the tree, lock the match (its pages become the
+             first entries of the page table)
     reserve  grow the page table for the next chunk (evict first; else the caller's
              make_room frees memory, e.g. by preempting; else refuse)
     (the caller computes KV and calls ``computed``)
-    commit   publish the whole computed pages into the tree (a prefill chunk); where
-             the tree already held those tokens, take its pages and free the own copies
-    release  publish, unlock, drop every reference (the partial last page goes free);
-             the handle is empty again and can be admitted anew (preemption)
+    commit   publish the whole computed pages into the tree (a prefill chunk): the
+             tree adopts them; where it already held those tokens, the sequence takes
+             its pages and frees its own copies
+    release  publish, unlock, free the pages still its own (the partial last page,
+             copies of pages the tree had); the handle is empty again and can be
+             admitted anew (preemption)
 
 The last prompt token is never matched: its logits are needed to sample the first
 output token. With ``recompute_from`` (prompt logprobs), prompt positions from there on
@@ -45,11 +54,12 @@ _EMPTY = np.empty(0, dtype=np.int32)
 class SeqKV:
     """One sequence's KV memory. Read its fields; only ``KVCacheManager`` writes them.
 
-    ``pages``: the page table (int32, one reference held on each); ``node``: the locked
-    tree node that ends the published pages (None when nothing is locked);
-    ``computed``: tokens whose KV is in ``pages``; ``published``: tokens whose whole
-    pages the tree holds through ``node``; ``cached_tokens``: prompt tokens served from
-    the cache at the first admission (None before it).
+    ``pages``: the page table (int32): the tree's pages for the ``published`` tokens,
+    then the sequence's own (one reference each); ``node``: the locked tree node that
+    ends the published pages (None when nothing is locked); ``computed``: tokens whose
+    KV is in ``pages``; ``published``: tokens whose whole pages the tree holds through
+    ``node``; ``cached_tokens``: prompt tokens served from the cache at the first
+    admission (None before it).
     """
 
     namespace: object = None
@@ -91,7 +101,8 @@ class KVCacheManager:
     # -- the lifecycle ---------------------------------------------------------------------
 
     def admit(self, seq: SeqKV, tokens, recompute_from: int | None = None) -> int:
-        """Take the cached prefix of ``tokens[:-1]``: lock it and reference its pages.
+        """Take the cached prefix of ``tokens[:-1]``: lock it; its pages begin the page
+        table (read under the lock, no reference taken).
 
         With ``recompute_from``, only the whole pages before that prompt position are
         taken (and locked); the rest of the cached copy stays evictable, so a prompt
@@ -99,8 +110,8 @@ class KVCacheManager:
 
         Mutates ``seq`` (which must be empty: fresh or released), the tree's lock
         counts, access times and statistics (on the first admission only, so a
-        preempted sequence is not counted twice), and reference counts. Raises
-        ValueError for a sequence that still holds memory.
+        preempted sequence is not counted twice). Raises ValueError for a sequence that
+        still holds memory.
         """
         if len(seq.pages) or seq.node is not None:
             raise ValueError("admit takes an empty sequence (fresh, or released)")
@@ -119,18 +130,17 @@ class KVCacheManager:
                 node = self.tree.match_prefix(tokens[: keep * self.page_size], seq.namespace, record_stats=False).node
         if node is not None:
             self.tree.lock(node)
-        self.pool.incref(pages)
         self._set(seq, pages, node, len(pages) * self.page_size)
         if first:
             seq.cached_tokens = seq.computed
         return seq.computed
 
     def reserve(self, seq: SeqKV, count: int, make_room: Callable[[], bool] | None = None) -> bool:
-        """Grow ``seq``'s page table to hold ``count`` more tokens. When the pool is
-        short, evicts unlocked tree leaves first, then calls ``make_room()`` (which
-        frees memory some other way, e.g. preempting a sequence, and returns False when
-        it cannot) until there is room. Returns False, with ``seq`` unchanged, when
-        there is none.
+        """Grow ``seq``'s page table with own pages to hold ``count`` more tokens. When
+        the pool is short, evicts unlocked tree leaves first, then calls ``make_room()``
+        (which frees memory some other way, e.g. preempting a sequence, and returns
+        False when it cannot) until there is room. Returns False, with ``seq``
+        unchanged, when there is none.
 
         Mutates the pool (allocation), the tree (eviction) and ``seq.pages``.
         """
@@ -154,50 +164,37 @@ class KVCacheManager:
 
     def commit(self, seq: SeqKV, tokens) -> None:
         """Publish ``seq``'s whole computed pages (``tokens[:computed]``) into the tree
-        and move its lock to the node that ends them. Where the tree already held those
-        tokens (a prompt recomputed for its logprobs, a sequence resumed after
-        preemption), ``seq`` takes the tree's pages and its own copies go free:
+        and move its lock to the node that ends them (see ``_publish``).
 
-            seq.pages  |== own copies of cached tokens ==|== new ==|partial|
-                        -> the tree's pages (own freed)     -> tree
-
-        Mutates the tree, reference counts and ``seq``. No-op without a tree or when
-        nothing new is whole.
+        Mutates the tree, the pool and ``seq``. No-op without a tree or when nothing
+        new is whole.
         """
         whole = seq.computed // self.page_size * self.page_size
         if self.tree is None or whole <= seq.published:
             return
-        inserted = self.tree.insert(tokens[:whole], seq.pages, seq.namespace, seq.priority)
-        node = inserted.node
-        if inserted.num_cached > seq.published:  # the tree had some of these: own copies may be dupes
-            n = whole // self.page_size
-            held = node.path_pages()[:n]
-            dupes = seq.pages[:n] != held
-            if dupes.any():
-                self.pool.incref(held[dupes])
-                self.pool.decref(seq.pages[:n][dupes])
-                seq.pages = np.concatenate([held, seq.pages[n:]])
-        self.tree.lock(node)
-        if seq.node is not None:
-            self.tree.unlock(seq.node)
-        seq.node = node
-        seq.published = whole
+        old = seq.node
+        seq.node = self._publish(seq, tokens, whole)
+        self.tree.lock(seq.node)
+        if old is not None:
+            self.tree.unlock(old)
 
     def release(self, seq: SeqKV, tokens) -> None:
-        """``seq`` is done (or preempted): publish its whole computed pages, unlock, drop
-        every reference; the partial last page and pages the tree had already go free:
+        """``seq`` is done (or preempted): publish its whole computed pages, unlock,
+        free the pages still its own (the partial last page; copies of pages the tree
+        had already):
 
             tokens  |===== computed, whole pages =====|partial|not computed|
-                    |-> tree (dupes of tree pages go)  |-> free            |
+                    |-> tree (copies of tree pages go) |-> free            |
 
-        Mutates the tree, reference counts and ``seq`` (empty afterwards, ``computed``
-        0, ready to be admitted again).
+        Mutates the tree, the pool and ``seq`` (empty afterwards, ``computed`` 0, ready
+        to be admitted again).
         """
-        if self.tree is not None and seq.computed >= self.page_size:
-            self.tree.insert(tokens[: seq.computed], seq.pages, seq.namespace, seq.priority)
+        whole = seq.computed // self.page_size * self.page_size
+        if self.tree is not None and whole > seq.published:
+            self._publish(seq, tokens, whole)
         if seq.node is not None:
             self.tree.unlock(seq.node)
-        self.pool.decref(seq.pages)
+        self.pool.free(seq.pages[seq.published // self.page_size :])
         self._set(seq, _EMPTY, None, 0)
 
     def flush(self) -> int:
@@ -206,10 +203,11 @@ class KVCacheManager:
 
     # -- checks ------------------------------------------------------------------------------
 
-    @staticmethod
-    def owners(seqs: Iterable[SeqKV]) -> dict[int, int]:
-        """Page id -> references the sequences hold (for ``check``). Does not mutate."""
-        tables = [s.pages for s in seqs if len(s.pages)]
+    def owners(self, seqs: Iterable[SeqKV]) -> dict[int, int]:
+        """Page id -> references the sequences hold (their own pages; for ``check``).
+        Does not mutate."""
+        tables = [s.pages[s.published // self.page_size :] for s in seqs]
+        tables = [t for t in tables if len(t)]
         if not tables:
             return {}
         ids, counts = np.unique(np.concatenate(tables), return_counts=True)
@@ -217,7 +215,19 @@ class KVCacheManager:
 
     def check(self, seqs: Sequence[SeqKV]) -> None:
         """Pool and tree invariants with the sequences' references counted exactly:
-        every reference is the tree's or a listed sequence's. Raises IntegrityError."""
+        every reference is the tree's or a listed sequence's, and each sequence's
+        shared pages are exactly the pages of its locked path (a page is never read
+        under another prefix's identity). Raises IntegrityError."""
+        for s in seqs:
+            shared = s.published // self.page_size
+            if s.node is None:
+                if shared:
+                    raise IntegrityError(f"a sequence reads {shared} tree pages without a lock")
+                continue
+            if not s.node.alive or s.node.lock_ref < 1:
+                raise IntegrityError("a sequence's node is evicted or unlocked")
+            if s.node.path_pages().tobytes() != s.pages[:shared].tobytes():
+                raise IntegrityError("a sequence's shared pages are not the pages of its locked path")
         if self.tree is not None:
             self.tree.check_integrity(external_refs=self.owners(seqs))
         else:
@@ -229,6 +239,27 @@ class KVCacheManager:
             if not np.array_equal(refs, expected):
                 bad = int(np.flatnonzero(refs != expected)[0])
                 raise IntegrityError(f"page {bad}: refcount {refs[bad]} but sequences hold {expected[bad]}")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _publish(self, seq: SeqKV, tokens, whole: int) -> Node:
+        """Insert ``tokens[:whole]`` with ``seq``'s pages; the tree adopts the new ones.
+        Where the tree already held some of the tokens (a prompt recomputed for its
+        logprobs, a sequence resumed after preemption), ``seq`` takes the tree's pages
+        and frees its own copies:
+
+            seq.pages  |== tree's ==|== own copies of cached tokens ==|== new ==|partial|
+                                     -> the tree's pages (own freed)  -> adopted
+
+        Sets ``seq.published = whole``; returns the node that ends it (not locked).
+        """
+        inserted = self.tree.insert(tokens[:whole], seq.pages, seq.namespace, seq.priority, adopt=True)
+        own, cached = seq.published // self.page_size, inserted.num_cached // self.page_size
+        if cached > own:
+            self.pool.free(seq.pages[own:cached])
+            seq.pages = np.concatenate([inserted.node.path_pages()[:cached], seq.pages[cached:]])
+        seq.published = whole
+        return inserted.node
 
     # -- internals ---------------------------------------------------------------------------
 

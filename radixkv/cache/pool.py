@@ -9,8 +9,10 @@ Two classes:
   (``radixkv.cache.formats``); it alone writes them (``store_kv``).
 
 Owners of a reference are the radix tree (one per page it holds) and each running
-request (one per page in its page table). A page goes back to the free stack exactly
-when its count reaches 0.
+sequence (one per page of its own: computed but not yet in the tree). A page goes back
+to the free stack exactly when its count reaches 0. The engine's pages each have one
+owner (``KVCacheManager``: a sequence reads the tree's pages under a lock on their
+node, not through a reference), so ``free`` serves it without ``ufunc.at``.
 
 Page ids are ``np.int32`` arrays everywhere: they fit FlashInfer's int32
 ``kv_indices`` and convert to tensors without a copy (``torch.from_numpy``).
@@ -55,6 +57,21 @@ def as_page_ids(pages, field: str = "pages") -> PageIds:
     return arr
 
 
+def _sorted_distinct(pages: PageIds) -> PageIds | None:
+    """``pages`` sorted ascending, or None if an id is listed twice."""
+    ordered = pages.copy()
+    ordered.sort()  # the method: np.sort costs a microsecond more per call
+    if ordered.size > 1 and np.count_nonzero(ordered[1:] == ordered[:-1]):
+        return None
+    return ordered
+
+
+def _repeated(pages: PageIds) -> PageIds:
+    """The ids listed more than once in ``pages``, ascending."""
+    ids, counts = np.unique(pages, return_counts=True)
+    return ids[counts > 1]
+
+
 class PageAllocator:
     """Free stack plus one reference count per page.
 
@@ -70,6 +87,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be in [1, {MAX_PAGES}], got {num_pages}")
         self.num_pages = int(num_pages)
         self._refs = np.zeros(self.num_pages, dtype=np.int32)
+        self._ones = np.ones(self.num_pages, dtype=np.int32).tobytes()  # "count 1 each", compared as bytes
         # Free stack: the top is the end of the array, so the lowest ids come out first.
         self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self.num_pages
@@ -111,29 +129,49 @@ class PageAllocator:
         top = self._top
         pages = self._stack[top - n : top][::-1].copy()
         self._top = top - n
-        self._refs[pages] = 1
+        self._refs.put(pages, 1)  # put: no int32 -> intp copy of the ids, unlike a[ids] = 1
         return pages
 
-    def incref(self, pages, distinct: bool = False) -> None:
+    def incref(self, pages) -> None:
         """Add one reference to each entry of ``pages`` (a page listed twice gets two).
 
         Raises ValueError, changing nothing, if an id is out of range or a page is free:
-        a new owner can only share a page that somebody already owns; with ``distinct``,
-        also if an id is listed twice (an owner that holds each page once, the tree).
+        a new owner can only share a page that somebody already owns.
         """
         pages = as_page_ids(pages)
         counts = self._counts(pages)
         if np.count_nonzero(counts) != counts.size:
             raise ValueError(f"pages not owned by anybody cannot be shared: {pages[counts == 0][:8].tolist()}")
         np.add.at(self._refs, pages, _ONE)
-        if distinct and pages.size > 1:
-            # A page listed k times gained k: every entry of it reads counts + k, not + 1.
-            after = self._refs.take(pages)
-            counts += 1
-            if after.tobytes() != counts.tobytes():
-                np.subtract.at(self._refs, pages, _ONE)
-                twice = np.unique(pages[after != counts])
-                raise ValueError(f"pages lists ids twice: {twice[:8].tolist()}")
+
+    def free(self, pages) -> int:
+        """Give back pages their one owner holds alone (reference count 1, each listed
+        once): the sole-owner fast path of ``decref``, without its ``ufunc.at``. Returns
+        how many went free (``len(pages)``).
+
+        Mutates the free stack. Raises ValueError, changing nothing, if an id is out of
+        range, a page has another count than 1, or an id is listed twice.
+        """
+        pages = as_page_ids(pages)
+        if pages.size == 1:  # the common case (a sequence's partial last page), in scalars
+            page = int(pages[0])
+            if not 0 <= page < self.num_pages or self._refs[page] != 1:
+                self._counts(pages)  # ValueError for an id out of range
+                raise ValueError(f"pages must have exactly one owner to be freed: {[page]}")
+            self._refs[page] = 0
+            self._stack[self._top] = page
+            self._top += 1
+            return 1
+        if not pages.size:
+            return 0
+        counts = self._counts(pages)
+        if not self._sole(counts):
+            raise ValueError(f"pages must have exactly one owner to be freed: {pages[counts != 1][:8].tolist()}")
+        freed = _sorted_distinct(pages)
+        if freed is None:
+            raise ValueError(f"pages lists ids twice: {_repeated(pages)[:8].tolist()}")
+        self._refs.put(freed, 0)
+        return self._push_free(freed)
 
     def decref(self, pages) -> int:
         """Drop one reference from each entry of ``pages``; return how many pages became free.
@@ -161,16 +199,25 @@ class PageAllocator:
         if not pages.size:
             return 0
         refs = self._refs
+        if self._sole(refs.take(pages)):  # the caller owns each alone: as ``free``
+            freed = _sorted_distinct(pages)
+            if freed is not None:
+                refs.put(freed, 0)
+                return self._push_free(freed)
         np.subtract.at(refs, pages, _ONE)
         after = refs.take(pages)
         if np.count_nonzero(after < 0):
             np.add.at(refs, pages, _ONE)
             raise ValueError(f"pages released more often than owned: {pages[after < 0][:8].tolist()}")
-        freed = pages[after == 0]
-        if freed.size > 1:
-            freed.sort()  # lowest ids end on top of the stack
-            if np.count_nonzero(freed[1:] == freed[:-1]):  # a page listed twice reached 0 once
-                freed = np.unique(freed)
+        return self._push_free(np.unique(pages[after == 0]))  # a page listed twice reached 0 once
+
+    def _sole(self, counts: np.ndarray) -> bool:
+        """Whether every count is exactly 1 (one memcmp, no temporaries)."""
+        return counts.tobytes() == self._ones[: 4 * counts.size]
+
+    def _push_free(self, freed: PageIds) -> int:
+        """Put ``freed`` (ascending, distinct, counts already 0) on the free stack, the
+        lowest id on top. Returns how many."""
         top = self._top
         self._stack[top : top + freed.size] = freed[::-1]
         self._top = top + freed.size

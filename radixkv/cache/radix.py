@@ -15,7 +15,7 @@ Representation, chosen so that the hot paths run in C:
   parent, and stale heap entries are re-keyed when they surface. Walks touch each node
   on the path once, and no operation a request makes scans the whole tree (only
   ``check_integrity`` and ``nodes`` do);
-- which pages the tree holds is one bool per pool page, so ``insert`` checks the pages
+- which pages the tree holds is one mark per pool page, so ``insert`` checks the pages
   it is about to take (held already? listed twice?) in a few vectorised calls;
 - a namespace has a stored root only while it holds a node: the root goes when
   eviction removes its last child, so tenants that come and go leave nothing behind.
@@ -187,7 +187,8 @@ class RadixCache:
         self.policy = make_policy(policy)
         self._width = page_size * _TOKEN  # bytes per page in a key
         self._roots: dict[object, Node] = {}  # only namespaces that hold a node
-        self._held = np.zeros(allocator.num_pages, dtype=np.bool_)  # page -> in the tree
+        self._held = np.zeros(allocator.num_pages, dtype=np.int32)  # page -> in the tree (nonzero)
+        self._marks = np.arange(1, allocator.num_pages + 1, dtype=np.int32)  # see _hold
         self._heap: list[tuple] = []
         self._seq = 0  # heap tie-breaker
         self._tick = 0  # logical clock for access statistics
@@ -286,17 +287,19 @@ class RadixCache:
             pages = parts[0].copy() if parts else _EMPTY_PAGES
         return Match(pages, pos // _TOKEN, node)
 
-    def insert(self, tokens, pages, namespace=None, priority: int = 0) -> Inserted:
+    def insert(self, tokens, pages, namespace=None, priority: int = 0, adopt: bool = False) -> Inserted:
         """Cache the whole pages of ``tokens``; return how many tokens were cached
         already and the node that ends them (see ``Inserted``).
 
         ``pages`` is the sequence's page table (at least one id per whole page; ids
         past the whole pages are ignored). The tree takes a reference on each page it
-        adds; for the already-cached prefix it keeps its own pages, and the caller's
-        copies of those, like everything the caller owns, are the caller's to release:
+        adds, or with ``adopt`` takes over the caller's (the caller forgets those
+        pages: ``pages[num_cached // page_size : whole pages]``); for the already-cached
+        prefix it keeps its own pages, and the caller's copies of those, like
+        everything else the caller owns, are the caller's to release:
 
             tokens   |== cached already ==|====== new whole pages ======|partial|
-            pages    | caller's duplicates | tree increfs, keeps         | private|
+            pages    | caller's duplicates | tree increfs (or adopts)    | private|
                        not checked           checked: owned, distinct,
                                              held by no node (any namespace)
 
@@ -342,15 +345,23 @@ class RadixCache:
         new_pages = None
         if start < end:
             new_pages = pages[start // width : num_pages].copy()
-            self._check_new_pages(new_pages)
-            self.allocator.incref(new_pages, distinct=True)  # ValueError for free or repeated ids, changing nothing
+            self._hold(new_pages)  # ValueError for ids out of range, held or repeated, changing nothing
+            try:
+                if adopt:
+                    counts = self.allocator.refcount(new_pages)
+                    if np.count_nonzero(counts) != counts.size:
+                        raise ValueError(f"pages not owned by anybody cannot be adopted: {new_pages[:8].tolist()}")
+                else:
+                    self.allocator.incref(new_pages)
+            except ValueError:
+                self._held.put(new_pages, 0)
+                raise
         # -- validated: mutate from here on --
         if cut:
             node = self._split(child, cut)
         if new_pages is not None:
             if node is None:  # the namespace held nothing: store a root for it
                 node = self._roots[namespace] = Node(b"", _EMPTY_PAGES, None, self._tick, namespace)
-            self._held.put(new_pages, True)
             leaf = Node(key[start:end], new_pages, node, self._tick, namespace)
             node.children[key[start : start + width]] = leaf
             self._num_nodes += 1
@@ -363,10 +374,11 @@ class RadixCache:
             node.priority = priority
         return Inserted(start // _TOKEN, node)
 
-    def _check_new_pages(self, pages: PageIds) -> None:
-        """ValueError unless each id of ``pages`` is in range and held by no node (the
-        allocator's ``incref(distinct=True)`` then refuses ids listed twice). Does not
-        mutate. Vectorised: O(len(pages))."""
+    def _hold(self, pages: PageIds) -> None:
+        """Mark ``pages`` held by the tree. ValueError, changing nothing, unless each id
+        is in range, held by no node, and listed once. Vectorised, O(len(pages)): the
+        marks written are 1..n in list order, so an id listed twice reads back the
+        mark of its last entry at its first."""
         try:
             held = self._held.take(pages.view(np.uint32))  # a negative id reads as out of range
         except IndexError:
@@ -374,7 +386,13 @@ class RadixCache:
                 f"pages must lie in [0, {self.allocator.num_pages}), got {pages.min()}..{pages.max()}"
             ) from None
         if np.count_nonzero(held):
-            raise ValueError(f"pages already held by the tree (in some namespace): {pages[held][:8].tolist()}")
+            raise ValueError(f"pages already held by the tree (in some namespace): {pages[held != 0][:8].tolist()}")
+        marks = self._marks[: pages.size]
+        self._held.put(pages, marks)
+        back = self._held.take(pages)
+        if back.tobytes() != marks.tobytes():
+            self._held.put(pages, 0)
+            raise ValueError(f"pages lists ids twice: {np.unique(pages[back != marks])[:8].tolist()}")
 
     def lock(self, node: Node) -> None:
         """Pin ``node`` and its path to the root against eviction (counted: lock twice,
@@ -454,7 +472,7 @@ class RadixCache:
                 break
             self.evicted_pages += taken
             dropped = dropped[0] if len(dropped) == 1 else np.concatenate(dropped)
-            self._held.put(dropped, False)
+            self._held.put(dropped, 0)
             freed += self.allocator.release(dropped)
         return freed
 

@@ -10,12 +10,13 @@ Memory: pages come from the pool; when it runs short, unlocked tree leaves are e
 first, then the most recently admitted running request is preempted: its computed pages
 go into the tree (so its recompute is mostly a cache hit) and it waits again.
 
-Cache lifecycle of a request:
+Cache lifecycle of a request (``KVCacheManager`` runs it):
 
-    admit:   match prefix -> lock node -> own the matched pages (incref)
-    chunk:   compute -> insert whole computed pages -> lock the deeper node, unlock old
-    finish:  insert computed whole pages -> unlock -> release own pages
-             (the partial last page and pages the tree already had go free)
+    admit:   match prefix -> lock node (its pages are read under the lock)
+    chunk:   compute -> the tree adopts the whole computed pages -> lock the deeper
+             node, unlock the old
+    finish:  the tree adopts the computed whole pages -> unlock -> free own pages
+             (the partial last page and copies of pages the tree already had)
 """
 
 from __future__ import annotations
