@@ -36,7 +36,7 @@ size 16, one engine at a time.
    tree's ``hit_tokens`` counter difference over the turn.
 3. Overhead split. Every engine gets timers on the engine thread's calls (perf_counter,
    exclusive time: a call's nested timed calls are charged to their own part):
-   ``Engine._step`` (the total), ``model.forward``, ``scheduler.schedule`` / ``advance`` /
+   ``EngineLoop._step`` (the total), ``model.forward``, ``scheduler.schedule`` / ``advance`` /
    ``remove``, ``scheduler.build_batch``, ``sampler.sample`` and the tree's
    ``match_prefix`` / ``insert`` / ``evict`` / ``lock`` / ``unlock``. The rest of
    ``_step`` (appending tokens, detokenizing, streaming) is shown as its own part; calls
@@ -99,7 +99,7 @@ QUICK = Settings(new_tokens=16, repeat=1, conversations=8, turns=3, system_token
 
 # -- timers on the engine thread -----------------------------------------------------
 
-PARTS = {  # part -> (engine attribute, its methods)
+PARTS = {  # part -> (the loop's attribute, its methods)
     "model forward": ("model", ("forward",)),
     "scheduler": ("scheduler", ("schedule", "advance", "remove")),
     "batch building": ("scheduler", ("build_batch",)),
@@ -111,23 +111,25 @@ OVERHEAD = ("scheduler", "batch building", "radix tree")  # what the < 5% target
 
 
 class StepProfiler:
-    """Exclusive time per part of ``Engine._step``, and a (time, generated tokens) mark at
-    the end of every step. Install on an idle engine; read and ``reset`` while it is idle."""
+    """Exclusive time per part of the loop's ``EngineLoop._step``, and a (time, generated
+    tokens) mark at the end of every step. Install on an idle engine; read and ``reset``
+    while it is idle."""
 
     def __init__(self, engine: Engine):
         self._open: list[float] = []  # per open timed call: time spent in its timed children
+        loop = engine.loop  # in-process: the loop's objects are reachable
         for part, (attr, methods) in PARTS.items():
-            owner = getattr(engine, attr)
+            owner = getattr(loop, attr)
             if owner is not None:  # no tree when the prefix cache is off
                 for name in methods:
                     setattr(owner, name, self._timed(part, getattr(owner, name)))
-        step = self._timed(REST, engine._step)
+        step = self._timed(REST, loop._step)
 
         def marked_step():
             step()
-            self.marks.append((time.perf_counter(), engine.generated_tokens))
+            self.marks.append((time.perf_counter(), loop.generated_tokens))
 
-        engine._step = marked_step
+        loop._step = marked_step
         self.reset()
 
     def reset(self) -> None:

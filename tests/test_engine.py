@@ -261,3 +261,62 @@ def test_demo_chat_serves_later_turns_and_branches_from_the_cache(capsys):
     assert cached["turn 1"] == 0 and cached["turn 2"] > 0
     for style in DEMO_STYLES:
         assert cached[f"branch: {style}"] >= cached["turn 2"]
+
+
+def test_the_loop_runs_on_typed_messages_alone(engine, reference):
+    """The loop without an Engine: commands in, outputs out, every message plain data
+    that pickles (what a loop in another process needs); its tokens are the Engine's."""
+    import pickle
+    import queue
+    import threading
+    import time
+
+    from radixkv.engine.loop import EngineLoop
+    from radixkv.engine.messages import AddRequests, Close, Finished, NewRequest, Query, QueryDone, Stopped
+    from radixkv.engine.request import StreamChunk
+
+    sent = []
+    loop = EngineLoop(engine.config, sent.append)
+    ids = tuple(engine.encode(chats(engine)[0]))
+    inbox = queue.Queue()
+    commands = [
+        AddRequests((NewRequest("a", 0, ids, GREEDY, None, None, True, 0.0),
+                     NewRequest("b", 0, ids, GREEDY, "tenant", None, False, 0.0))),  # fmt: skip
+        Query("stats", 7),
+    ]
+    for command in commands:
+        inbox.put(pickle.loads(pickle.dumps(command)))
+    thread = threading.Thread(target=loop.run, args=(inbox,))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while sum(isinstance(m, Finished) for m in sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    inbox.put(Close())
+    thread.join()
+    for msg in sent:
+        assert pickle.loads(pickle.dumps(msg)) == msg
+    assert isinstance(sent[-1], Stopped)
+    assert [m.qid for m in sent if isinstance(m, QueryDone)] == [7]
+    done = {m.rid: m for m in sent if isinstance(m, Finished)}
+    assert done["a"].completion.token_ids == done["b"].completion.token_ids == reference[0]
+    assert done["a"].completion.finish_reason == done["b"].completion.finish_reason == "length"
+    chunks = [m for m in sent if isinstance(m, StreamChunk)]
+    assert {c.rid for c in chunks} == {"a"}  # only the streamed request sends chunks
+    assert [t for c in chunks for t in c.token_ids] == reference[0]
+    assert "".join(c.text for c in chunks) == done["a"].completion.text
+    loop.kv.check([])
+
+
+def test_a_stopped_loop_fails_waiting_requests_instead_of_hanging(monkeypatch):
+    from radixkv.engine.loop import EngineLoop
+
+    with make(kv_cache_tokens=1024) as e:
+        def broken(self, command):
+            raise RuntimeError("simulated loop failure")
+
+        monkeypatch.setattr(EngineLoop, "_run_command", broken)
+        out = e.generate("hello", GREEDY)
+        assert out.error == "the engine loop has stopped" and out.finish_reason == "error"
+        with pytest.raises(RuntimeError, match="engine thread has stopped"):
+            e.stats()
+        assert not e.is_alive()

@@ -256,9 +256,10 @@ class StubModel:
 
 def test_sim_replays_exactly_what_the_engine_caches(monkeypatch):
     import radixkv.engine.engine as engine_module
+    import radixkv.engine.loop as loop_module
     from radixkv.engine.sampling import SamplingParams
 
-    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: StubModel())
+    monkeypatch.setattr(loop_module, "load_model", lambda *a, **k: StubModel())
     rng = np.random.default_rng(3)
     system = rng.integers(100, 900, 37).tolist()
     page_size, pool_pages, chunk = 4, 96, 24  # small: evictions and several chunks per prompt

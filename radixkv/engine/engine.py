@@ -1,87 +1,45 @@
-"""The Engine: model, pool, prefix cache and scheduler behind a small API.
+"""The Engine's client side: the API callers use (threads, futures, streams).
 
-The engine loop runs in its own thread; it alone touches the pool, the tree and the
-model. Callers talk to it through a command queue and get results through sinks, so
-``generate`` (blocking), ``generate_async`` / ``stream`` (asyncio) and ``abort`` never
-block the loop.
+An ``Engine`` starts an ``EngineLoop`` (loop.py: scheduling, the model step, output
+processing) in its own thread and talks to it only through two queues of typed
+messages (messages.py): commands in, outputs back. A dispatcher thread routes each
+output to the caller's sink by request id, so ``generate`` (blocking),
+``generate_async`` / ``stream`` (asyncio) and ``abort`` never block the loop, and the
+loop holds nothing of the caller's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-import torch
-
-from radixkv.cache.formats import KVFormat, kv_format
-from radixkv.cache.pool import KVPool, PoolConfig
-from radixkv.cache.manager import KVCacheManager, SeqKV
-from radixkv.cache.radix import RadixCache
+from radixkv.engine.config import EngineConfig
 from radixkv.engine.constrain import Constraint, Grammar
-from radixkv.engine.output import OutputProcessor
-from radixkv.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, StreamChunk, new_rid
-from radixkv.engine.sampling import Sampler, SamplerState, SamplingParams
-from radixkv.engine.scheduler import Scheduler
-from radixkv.kernels import get_backend
+from radixkv.engine.loop import EngineLoop
+from radixkv.engine.messages import (
+    Abort, AbortAll, AddRequests, Close, Finished, NewRequest, Output, Query, QueryDone, Stopped,
+)  # fmt: skip
+from radixkv.engine.request import CompletionOutput, RequestMetrics, RequestOutput, StreamChunk, new_rid
+from radixkv.engine.sampling import SamplingParams
 from radixkv.model.chat_template import ChatTemplate
-from radixkv.model.loader import as_dtype, load_model
 from radixkv.model.registry import DEFAULT_MODEL, resolve_model
-from radixkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from radixkv.validate import ceil_div, check_int, check_optional_int, is_int
+from radixkv.model.tokenizer import Tokenizer
+from radixkv.validate import is_int
 
-logger = logging.getLogger("radixkv.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings; the CLI's defaults come from here.
-
-    KV capacity: ``kv_cache_tokens`` (tokens) or ``memory_bytes`` (bytes), at most one;
-    neither means 1 GiB.
-    """
-
-    model: str = DEFAULT_MODEL
-    page_size: int = 16
-    kv_cache_tokens: int | None = None
-    memory_bytes: int | None = None
-    device: str = "cpu"
-    dtype: str = "float32"  # weights and activations
-    kv_dtype: str = "auto"  # the KV cache's format; auto: the weights' dtype
-    attention_backend: str = "auto"
-    policy: str = "lru"
-    enable_prefix_cache: bool = True
-    chunked_prefill_size: int | None = 512
-    max_batch_tokens: int = 2048
-    max_running: int = 64
-    debug: bool = False  # check pool/tree integrity whenever the engine goes idle
-
-    def __post_init__(self):
-        for name in ("page_size", "max_batch_tokens", "max_running"):
-            check_int(name, getattr(self, name), 1)
-        for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size"):
-            check_optional_int(name, getattr(self, name), 1)
-        if self.kv_cache_tokens is not None and self.memory_bytes is not None:
-            raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
-        as_dtype(self.dtype)
-        self.kv_format  # a clear error for an unknown kv_dtype
-
-    @property
-    def kv_format(self) -> KVFormat:
-        return kv_format(as_dtype(self.dtype) if self.kv_dtype == "auto" else self.kv_dtype)
+__all__ = ["Engine", "EngineConfig", "RequestStream"]
 
 
 class _Sink:
-    """Collects a request's ``n`` completions; wakes a thread, resolves a future or
-    feeds a stream. Called from the engine thread only."""
+    """Collects a request's ``n`` completions from the loop's messages; wakes a thread,
+    resolves a future or feeds a stream. Called from the dispatcher thread only."""
 
     def __init__(self, rid: str, n: int, loop: asyncio.AbstractEventLoop | None = None, stream: bool = False):
         self.rid = rid
-        self.children: list[Request | None] = [None] * n
+        self.parts: list[Finished | None] = [None] * n
         self.loop = loop
         self.done = threading.Event()
         self.future = loop.create_future() if loop is not None and not stream else None
@@ -89,10 +47,8 @@ class _Sink:
         self.result: RequestOutput | None = None
         self._left = n
 
-    def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              logprobs: list | None, top_logprobs: list | None) -> None:  # fmt: skip
-        if self.queue is not None and (text or token_ids or finish_reason):
-            chunk = StreamChunk(self.rid, index, text, token_ids, finish_reason, logprobs, top_logprobs)
+    def chunk(self, chunk: StreamChunk) -> None:
+        if self.queue is not None:
             self._post(self.queue.put_nowait, chunk)
 
     def _post(self, fn, *args) -> None:
@@ -103,12 +59,17 @@ class _Sink:
         except RuntimeError:
             pass
 
-    def finished(self, index: int, req: Request) -> None:
-        self.children[index] = req
+    def finished(self, part: Finished) -> bool:
+        """Record one completion's end; True once all ``n`` have ended."""
+        self.parts[part.index] = part
         self._left -= 1
         if self._left:
-            return
-        self.result = _output(self.rid, self.children)
+            return False
+        self.resolve(_output(self.rid, self.parts))
+        return True
+
+    def resolve(self, result: RequestOutput) -> None:
+        self.result = result
         if self.future is not None:
             self._post(_resolve, self.future, self.result)
         if self.queue is not None:
@@ -121,56 +82,22 @@ def _resolve(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
-def _output(rid: str, children: list[Request]) -> RequestOutput:
-    first = children[0]
-    stamps = [t for c in children for t in c.token_times[:1]]
+def _output(rid: str, parts: list[Finished]) -> RequestOutput:
+    first = parts[0]
+    stamps = [t for p in parts for t in p.token_times[:1]]
     metrics = RequestMetrics(
-        first.arrival_time, min(stamps, default=None), time.perf_counter(),
-        [b - a for c in children for a, b in zip(c.token_times, c.token_times[1:])],
+        first.arrival_time, min(stamps, default=None), max(p.finish_time for p in parts),
+        [b - a for p in parts for a, b in zip(p.token_times, p.token_times[1:])],
     )  # fmt: skip
-    outs = [
-        CompletionOutput(
-            c.text, list(c.output_ids), c.finish_reason,
-            c.logprobs if c.params.logprobs else None,
-            c.top_logprobs if c.params.top_logprobs else None,
-        )  # fmt: skip
-        for c in children
-    ]
     return RequestOutput(
-        rid, len(first.prompt_ids), first.kv.cached_tokens or 0, outs,
-        first.prompt_logprobs if first.params.prompt_logprobs_from is not None else None,
-        next((c.error for c in children if c.error), None), metrics,
-        next((c.error_param for c in children if c.error), None),
+        rid, first.prompt_tokens, first.cached_tokens, [p.completion for p in parts], first.prompt_logprobs,
+        next((p.error for p in parts if p.error), None), metrics,
+        next((p.error_param for p in parts if p.error), None),
     )  # fmt: skip
-
-
-# -- commands from client threads to the engine loop -----------------------------------
-# Plain data: the loop matches on the type. A query names what to run (no closures), and
-# its answer comes back through a Reply.
-
-
-@dataclass(frozen=True)
-class AddRequests:
-    reqs: tuple[Request, ...]
-
-
-@dataclass(frozen=True)
-class Abort:
-    rid: str
-
-
-@dataclass(frozen=True)
-class AbortAll:
-    pass
-
-
-@dataclass(frozen=True)
-class Close:
-    pass
 
 
 class Reply:
-    """One answer from the engine thread to a waiting caller: a value or an exception."""
+    """One answer from the loop to a waiting caller: a value or an exception."""
 
     def __init__(self):
         self._done = threading.Event()
@@ -191,15 +118,6 @@ class Reply:
         return self.value
 
 
-@dataclass(frozen=True)
-class Query:
-    what: str  # "flush" | "stats" | "check"
-    reply: Reply
-
-
-Command = AddRequests | Abort | AbortAll | Close | Query
-
-
 class Engine:
     """``Engine(model="smollm2-135m-instruct", page_size=16, ...)``; see EngineConfig.
 
@@ -208,33 +126,42 @@ class Engine:
 
     def __init__(self, model: str = DEFAULT_MODEL, **settings):
         self.config = cfg = EngineConfig(model=model, **settings)
-        source = resolve_model(cfg.model)
-        self.model = load_model(source.path, cfg.dtype, cfg.device)
-        self.tokenizer = Tokenizer.load(source)
+        self.tokenizer = Tokenizer.load(resolve_model(cfg.model))
         self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if self.tokenizer.chat_template else None
-        mc = self.model.config
-        pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                        page_size=cfg.page_size, kv_dtype=cfg.kv_format, device=cfg.device)  # fmt: skip
-        if cfg.kv_cache_tokens is not None:
-            pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
-        else:
-            pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
-        self.pool = KVPool(PoolConfig(**pool_cfg))
-        self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
-        self.backend = get_backend(cfg.attention_backend, cfg.device, cfg.kv_format.dtype, as_dtype(cfg.dtype))
-        self.max_context = mc.max_position_embeddings
-        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size)
-        self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
-                                   cfg.chunked_prefill_size)  # fmt: skip
-        self.sampler = Sampler()
-        self.output = OutputProcessor(self.tokenizer.eos_token_ids, self.max_context)
-        self.grammar = Grammar(self.tokenizer, mc.vocab_size)  # compiles regex constraints
-        self.steps = 0
-        self.generated_tokens = 0
+        self._outbox: queue.Queue[Output] = queue.Queue()
+        self.loop = EngineLoop(cfg, self._outbox.put, self.tokenizer)
+        self.max_context = self.loop.max_context
+        self._capacity = self.loop.capacity_tokens
+        self.grammar = Grammar(self.tokenizer, self.loop.vocab_size)  # compiles regex constraints
         self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._replies: dict[int, Reply] = {}
+        self._qids = itertools.count()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="radixkv-engine", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run, args=(self._commands,), name="radixkv-engine",
+                                        daemon=True)  # fmt: skip
+        self._dispatcher = threading.Thread(target=self._dispatch, name="radixkv-output", daemon=True)
         self._thread.start()
+        self._dispatcher.start()
+
+    # The loop's objects, for in-process introspection (tests, benchmarks); the server and
+    # the frontend use only the methods below.
+
+    @property
+    def model(self):
+        return self.loop.model
+
+    @property
+    def pool(self):
+        return self.loop.pool
+
+    @property
+    def tree(self):
+        return self.loop.tree
+
+    @property
+    def backend(self):
+        return self.loop.backend
 
     # -- public API --------------------------------------------------------------
 
@@ -347,7 +274,7 @@ class Engine:
     def snapshot(self) -> dict:
         """``stats()`` read from the calling thread without waiting for the engine:
         never blocks, but fields may come from either side of a step (for metrics)."""
-        return self._stats()
+        return self.loop.stats()
 
     def check_integrity(self) -> None:
         """Pool and tree invariants, with every running request's references counted.
@@ -359,10 +286,12 @@ class Engine:
         return self._thread.is_alive()
 
     def close(self) -> None:
+        """Abort what is queued or running, stop the loop and the dispatcher."""
         if not self._closed:
             self._closed = True
             self._commands.put(Close())
             self._thread.join()
+            self._dispatcher.join()
 
     def __enter__(self) -> Engine:
         return self
@@ -380,23 +309,16 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if (params.regex is None) != (constraint is None):
             raise ValueError("a request with regex needs its compiled constraint (compile_constraint), and only it")
-        ids = self.prompt_ids(prompt)
+        ids = tuple(self.prompt_ids(prompt))
         rid = new_rid()
-        sink = _Sink(rid, params.n, loop, stream)
-        reqs = []
-        for i in range(params.n):
-            req = Request(
-                rid=rid if params.n == 1 else f"{rid}-{i}",
-                prompt_ids=ids,
-                params=params,
-                sampler=SamplerState(params, ids, seed_offset=i),
-                detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                kv=SeqKV(namespace),
-                sink=(sink, i),
-                constraint=constraint if i == 0 or constraint is None else constraint.copy(),
-            )
-            reqs.append(req)
-        self._commands.put(AddRequests(tuple(reqs)))
+        sink = self._sinks[rid] = _Sink(rid, params.n, loop, stream)
+        now = time.perf_counter()
+        reqs = tuple(
+            NewRequest(rid, i, ids, params, namespace,
+                       constraint if i == 0 or constraint is None else constraint.copy(), stream, now)  # fmt: skip
+            for i in range(params.n)
+        )
+        self._commands.put(AddRequests(reqs))
         return sink
 
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
@@ -411,7 +333,7 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         """Token ids run from 0 to ``vocab_size - 1``."""
-        return self.model.config.vocab_size
+        return self.loop.vocab_size
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -434,143 +356,51 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
-        capacity = self.pool.num_pages * self.pool.page_size
+        capacity = self._capacity
         if len(ids) >= capacity:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {capacity} (raise kv_cache_tokens)")
         return ids
 
-    # -- engine thread -----------------------------------------------------------
+    # -- talking to the loop ---------------------------------------------------------
 
     def _query(self, what: str):
-        """Run the named query on the engine thread between steps and return its result
+        """Run the named query on the loop between steps and return its result
         (directly once the engine is closed)."""
         if self._closed:
-            return self._QUERIES[what](self)
-        reply = Reply()
-        self._commands.put(Query(what, reply))
-        return reply.wait(self._thread.is_alive)
-
-    def _loop(self) -> None:
-        while True:
-            idle = not self.scheduler.has_work()
-            try:
-                command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
-            except queue.Empty:
-                command = None
-            if command is not None:
-                if isinstance(command, Close):
-                    self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
-                    return
-                self._run_command(command)
-                continue  # drain all commands before the next step
-            if self.scheduler.has_work():
-                try:
-                    self._step()
-                except Exception as e:  # a bug must not take the engine down: fail what is queued
-                    logger.exception("engine step failed")
-                    self._end([*self.scheduler.running, *self.scheduler.waiting], "error", f"{type(e).__name__}: {e}")
-            elif self.config.debug:
-                self._check()
-
-    def _run_command(self, command: Command) -> None:
-        if isinstance(command, AddRequests):
-            for req in command.reqs:
-                self.scheduler.add(req)
-        elif isinstance(command, AbortAll):
-            self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
-        elif isinstance(command, Abort):
-            self._end([r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.sink[0].rid == command.rid],
-                      "abort")  # fmt: skip
-        elif isinstance(command, Query):
-            try:
-                command.reply.set(self._QUERIES[command.what](self))
-            except Exception as e:  # delivered to the caller's thread
-                command.reply.set(error=e)
-        else:
-            raise TypeError(f"unknown engine command {type(command).__name__}")
-
-    def _end(self, reqs: list[Request], reason: str, error: str | None = None, flush: bool = True) -> None:
-        """The one way a request ends (length, stop, abort, error): take ``reqs`` out of
-        the scheduler wherever they are (their computed pages still enter the cache),
-        record ``reason`` and deliver their final output."""
-        for req in reqs:
-            self.scheduler.remove(req)
-            req.finish_reason, req.error = reason, error
-            self.output.deliver(req, flush)
-
-    def _step(self) -> None:
-        sched = self.scheduler
-        plan = sched.schedule()
-        for req in sched.stopped:
-            self.output.deliver(req, flush=True)
-        sched.stopped.clear()
-        if not plan:
-            if not sched.running and sched.waiting:  # nothing fits even in an empty pool
-                self._end([sched.waiting[0]], "error", "not enough KV cache for this request")
-            return
-        batch = sched.build_batch(plan, self.config.device)
-        prompt_lp = [s for s in plan if s.req.params.prompt_logprobs_from is not None and s.start < len(s.req.prompt_ids)]
+            return EngineLoop.QUERIES[what](self.loop)
+        qid = next(self._qids)
+        reply = self._replies[qid] = Reply()
+        self._commands.put(Query(what, qid))
         try:
-            logits = self.model.forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
-        except Exception as e:  # the model failed: fail this step's requests, keep serving
-            self._end([s.req for s in plan], "error", f"{type(e).__name__}: {e}")
-            return
-        sched.advance(plan)
-        self.steps += 1
-        if prompt_lp:
-            ends = batch.qo_indptr[1:].tolist()
-            for s, end in zip(plan, ends):
-                if s in prompt_lp:
-                    self.output.prompt_logprobs(s.req, s.start, logits[end - s.count : end])
-            logits = logits[torch.tensor(ends, device=logits.device) - 1]
-        sampling = [i for i, s in enumerate(plan) if s.samples]
-        if not sampling:
-            return
-        kept = []
-        for i in sampling:
-            req = plan[i].req
-            error = self.output.constraint_error(req, logits.shape[1])
-            if error is None:
-                kept.append(i)
-            else:
-                req.error_param = "regex"
-                self._end([req], "error", error)
-        if not kept:
-            return
-        reqs = [plan[i].req for i in kept]
-        rows = self.output.mask(logits[kept], reqs)
-        result = self.sampler.sample(rows, [r.sampler for r in reqs])
-        for j, req in enumerate(reqs):
-            reason, flush = self.output.append(req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])
-            self.generated_tokens += 1
-            if reason is not None:
-                self._end([req], reason, flush=flush)
+            return reply.wait(self._thread.is_alive)
+        finally:
+            self._replies.pop(qid, None)
 
-    def _flush(self) -> bool:
-        if self.scheduler.has_work():
-            return False
-        self.kv.flush()
-        return True
-
-    def _stats(self) -> dict:
-        tree = None
-        if self.tree is not None:
-            stats = self.tree.stats()
-            tree = {**stats._asdict(), "hit_rate": stats.hit_rate}
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "steps": self.steps,
-            "generated_tokens": self.generated_tokens,
-            "preemptions": self.scheduler.preemptions,
-            "pool": {"pages": self.pool.num_pages, "free": self.pool.num_free(), "page_size": self.pool.page_size},
-            "cache": tree,
-        }
-
-    def _check(self) -> None:
-        self.kv.check(self.scheduler.owners())
-
-    _QUERIES = {"flush": _flush, "stats": _stats, "check": _check}  # what a Query may name
+    def _dispatch(self) -> None:
+        """The dispatcher thread: route each output of the loop to its sink or reply.
+        When the loop stops, whatever still waits fails instead of hanging."""
+        while True:
+            msg = self._outbox.get()
+            if isinstance(msg, StreamChunk):
+                sink = self._sinks.get(msg.rid)
+                if sink is not None:
+                    sink.chunk(msg)
+            elif isinstance(msg, Finished):
+                sink = self._sinks.get(msg.rid)
+                if sink is not None and sink.finished(msg):
+                    del self._sinks[msg.rid]
+            elif isinstance(msg, QueryDone):
+                reply = self._replies.get(msg.qid)
+                if reply is not None:
+                    reply.set(msg.value, msg.error)
+            elif isinstance(msg, Stopped):
+                for rid, sink in list(self._sinks.items()):
+                    ended = [CompletionOutput("", [], "error")] * len(sink.parts)
+                    sink.resolve(RequestOutput(rid, 0, 0, ended, error="the engine loop has stopped"))
+                self._sinks.clear()
+                for reply in list(self._replies.values()):
+                    reply.set(error=RuntimeError("the engine loop has stopped"))
+                return
 
 
 class RequestStream:

@@ -5,26 +5,31 @@ that is here: prompt logprobs from a step's rows, constraint masks on the logits
 sampled token the stop decision (EOS, stop token ids, a finished constraint, a stop
 string, the length limits), incremental detokenization, stop strings cut exactly (also
 across tokens) and streaming only text no stop string can still remove. It mutates the
-``Request`` it is given and sends to its sink; it never touches the scheduler or KV
-memory, so ending a request stays the loop's (``Engine._end``).
+``Request`` it is given and sends messages to the client (``StreamChunk``, ``Finished``;
+see messages.py); it never touches the scheduler or KV memory, so ending a request
+stays the loop's (``EngineLoop._end``).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
-from radixkv.engine.request import Request
+from radixkv.engine.messages import Finished, Output
+from radixkv.engine.request import CompletionOutput, Request, StreamChunk
 from radixkv.engine.sampling import prompt_logprobs
 
 
 class OutputProcessor:
-    """Per-token output work for one engine (its tokenizer's EOS ids, its context)."""
+    """Per-token output work for one engine (its tokenizer's EOS ids, its context);
+    ``send`` takes each message for the client."""
 
-    def __init__(self, eos_token_ids, max_context: int):
+    def __init__(self, eos_token_ids, max_context: int, send: Callable[[Output], None]):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
+        self.send = send
 
     # -- before sampling ---------------------------------------------------------------------
 
@@ -101,26 +106,41 @@ class OutputProcessor:
             self.emit(req, hold=max(map(len, params.stop), default=1) - 1)
         return reason, not cut
 
-    @staticmethod
-    def emit(req: Request, hold: int = 0) -> None:
-        """Stream new token ids and the text except its last ``hold`` characters."""
-        sink, index = req.sink
+    def emit(self, req: Request, hold: int = 0) -> None:
+        """Stream (when ``req.stream``) new token ids and the text except its last
+        ``hold`` characters; a chunk with nothing new is not sent."""
+        if not req.stream:
+            return
         end = max(req.emitted, len(req.text) - hold)
         new = slice(req.emitted_tokens, None)
-        sink.chunk(index, req.text[req.emitted : end], req.output_ids[new], req.finish_reason,
-                   req.logprobs[new] if req.params.logprobs else None,
-                   req.top_logprobs[new] if req.params.top_logprobs else None)  # fmt: skip
+        text, ids = req.text[req.emitted : end], req.output_ids[new]
+        if text or ids or req.finish_reason:
+            self.send(StreamChunk(
+                req.rid, req.index, text, ids, req.finish_reason,
+                req.logprobs[new] if req.params.logprobs else None,
+                req.top_logprobs[new] if req.params.top_logprobs else None,
+            ))  # fmt: skip
         req.emitted = end
         req.emitted_tokens = len(req.output_ids)
 
-    @classmethod
-    def deliver(cls, req: Request, flush: bool) -> None:
-        """A finished request's last text (unless a stop string cut it) and its result
-        to the caller's sink."""
+    def deliver(self, req: Request, flush: bool) -> None:
+        """A finished request's last text (unless a stop string cut it), then its
+        result, to the client."""
         if flush:
             req.text += req.detok.flush()
-        cls.emit(req)
-        req.sink[0].finished(req.sink[1], req)
+        self.emit(req)
+        params = req.params
+        completion = CompletionOutput(
+            req.text, list(req.output_ids), req.finish_reason,
+            req.logprobs if params.logprobs else None,
+            req.top_logprobs if params.top_logprobs else None,
+        )  # fmt: skip
+        self.send(Finished(
+            req.rid, req.index, completion, len(req.prompt_ids), req.kv.cached_tokens or 0,
+            req.prompt_logprobs if params.prompt_logprobs_from is not None else None,
+            req.error, req.error_param if req.error else None, req.arrival_time, tuple(req.token_times),
+            time.perf_counter(),
+        ))  # fmt: skip
 
 
 def cut_at_stop(req: Request, before: int) -> bool:

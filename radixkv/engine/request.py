@@ -8,6 +8,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from radixkv.cache.manager import SeqKV
+from radixkv.engine.constrain import Constraint
 from radixkv.engine.sampling import SamplerState, SamplingParams
 from radixkv.model.tokenizer import IncrementalDetokenizer
 
@@ -30,7 +31,7 @@ class Request:
                  |== kv.computed (KV in kv.pages) ==|todo|
     """
 
-    rid: str
+    rid: str  # the caller's request id, shared by its n completions
     prompt_ids: list[int]
     params: SamplingParams
     sampler: SamplerState
@@ -41,14 +42,15 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     error_param: str | None = None  # the request field at fault when ``error`` is the client's doing
-    constraint: object = None  # a constrain.Constraint when the request has a regex
+    constraint: Constraint | None = None  # when the request has a regex
     text: str = ""
     emitted: int = 0  # characters of ``text`` already streamed
     emitted_tokens: int = 0
     logprobs: list = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
-    sink: object = None  # where the engine delivers events (see engine.py)
+    index: int = 0  # which of the request's n completions
+    stream: bool = False  # send a StreamChunk per new text (see output.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # perf_counter when each output token was sampled
 

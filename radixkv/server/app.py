@@ -599,8 +599,7 @@ class Server:
 
     async def model_info(self, http: Http) -> None:
         e = self.engine
-        info = P.ModelInfo(self.model_name, e.max_context, e.model.config.vocab_size,
-                           sorted(e.tokenizer.eos_token_ids), e.config.page_size)  # fmt: skip
+        info = P.ModelInfo(self.model_name, e.max_context, e.vocab_size, sorted(e.eos_token_ids), e.config.page_size)
         await http.send(200, P.encode(info))
 
     async def tokenize(self, http: Http) -> None:

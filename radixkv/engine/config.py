@@ -1,0 +1,48 @@
+"""EngineConfig: the settings of an engine, read by its client side and its loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixkv.cache.formats import KVFormat, kv_format
+from radixkv.model.loader import as_dtype
+from radixkv.model.registry import DEFAULT_MODEL
+from radixkv.validate import check_int, check_optional_int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; the CLI's defaults come from here.
+
+    KV capacity: ``kv_cache_tokens`` (tokens) or ``memory_bytes`` (bytes), at most one;
+    neither means 1 GiB.
+    """
+
+    model: str = DEFAULT_MODEL
+    page_size: int = 16
+    kv_cache_tokens: int | None = None
+    memory_bytes: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"  # weights and activations
+    kv_dtype: str = "auto"  # the KV cache's format; auto: the weights' dtype
+    attention_backend: str = "auto"
+    policy: str = "lru"
+    enable_prefix_cache: bool = True
+    chunked_prefill_size: int | None = 512
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    debug: bool = False  # check pool/tree integrity whenever the engine goes idle
+
+    def __post_init__(self):
+        for name in ("page_size", "max_batch_tokens", "max_running"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size"):
+            check_optional_int(name, getattr(self, name), 1)
+        if self.kv_cache_tokens is not None and self.memory_bytes is not None:
+            raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
+        as_dtype(self.dtype)
+        self.kv_format  # a clear error for an unknown kv_dtype
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return kv_format(as_dtype(self.dtype) if self.kv_dtype == "auto" else self.kv_dtype)

@@ -1,0 +1,237 @@
+"""The engine loop: scheduling and the model step, with output processing after it.
+
+``EngineLoop`` owns the model, the KV pool, the prefix cache and the scheduler; it
+alone touches them. It takes commands from an inbox and sends outputs to an outbox,
+both typed messages (messages.py), and shares no object with the client side: the
+``Engine`` runs it in a thread today, and nothing in it assumes the client lives in the
+same process.
+
+One iteration: drain every command (add, abort, queries), then run one step:
+
+    schedule -> build the batch -> model forward -> advance the KV state
+             -> prompt logprobs -> constraint masks -> sample -> per token: stop?
+             -> end what stopped (its pages enter the cache), send its Finished
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from typing import Callable
+
+import torch
+
+from radixkv.cache.manager import KVCacheManager, SeqKV
+from radixkv.cache.pool import KVPool, PoolConfig
+from radixkv.cache.radix import RadixCache
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.messages import (
+    Abort, AbortAll, AddRequests, Close, Command, NewRequest, Output, Query, QueryDone, Stopped,
+)  # fmt: skip
+from radixkv.engine.output import OutputProcessor
+from radixkv.engine.request import Request
+from radixkv.engine.sampling import Sampler, SamplerState
+from radixkv.engine.scheduler import Scheduler
+from radixkv.kernels import get_backend
+from radixkv.model.loader import as_dtype, load_model
+from radixkv.model.registry import resolve_model
+from radixkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from radixkv.validate import ceil_div
+
+logger = logging.getLogger("radixkv.engine")
+
+
+class EngineLoop:
+    """The model, KV memory and scheduler of one engine, driven by ``run``.
+
+    ``tokenizer``: for detokenization and the EOS ids (loaded from the config's model
+    when not given). ``send`` takes every output message; call nothing else on this
+    object from another thread except the read-only ``stats`` (a snapshot that may
+    straddle a step).
+    """
+
+    def __init__(self, config: EngineConfig, send: Callable[[Output], None], tokenizer: Tokenizer | None = None):
+        self.config = cfg = config
+        source = resolve_model(cfg.model)
+        self.model = load_model(source.path, cfg.dtype, cfg.device)
+        self.tokenizer = tokenizer or Tokenizer.load(source)
+        mc = self.model.config
+        pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                        page_size=cfg.page_size, kv_dtype=cfg.kv_format, device=cfg.device)  # fmt: skip
+        if cfg.kv_cache_tokens is not None:
+            pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
+        else:
+            pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
+        self.pool = KVPool(PoolConfig(**pool_cfg))
+        self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
+        self.backend = get_backend(cfg.attention_backend, cfg.device, cfg.kv_format.dtype, as_dtype(cfg.dtype))
+        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size)
+        self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
+                                   cfg.chunked_prefill_size)  # fmt: skip
+        self.sampler = Sampler()
+        self.send = send
+        self.output = OutputProcessor(self.tokenizer.eos_token_ids, mc.max_position_embeddings, send)
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # -- what the client needs to check prompts ---------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.pool.num_pages * self.pool.page_size
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self, inbox: queue.Queue) -> None:
+        """Serve commands from ``inbox`` until ``Close``; then end every request
+        ("abort") and send ``Stopped``. A step that raises fails the requests it had,
+        and the loop goes on; anything else that raises is logged and stops the loop
+        (``Stopped`` is still sent)."""
+        try:
+            while True:
+                idle = not self.scheduler.has_work()
+                try:
+                    command = inbox.get(timeout=0.05) if idle else inbox.get_nowait()
+                except queue.Empty:
+                    command = None
+                if command is not None:
+                    if isinstance(command, Close):
+                        self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
+                        return
+                    self._run_command(command)
+                    continue  # drain all commands before the next step
+                if self.scheduler.has_work():
+                    try:
+                        self._step()
+                    except Exception as e:  # a bug must not take the engine down: fail what is queued
+                        logger.exception("engine step failed")
+                        self._end([*self.scheduler.running, *self.scheduler.waiting], "error",
+                                  f"{type(e).__name__}: {e}")  # fmt: skip
+                elif self.config.debug:
+                    self._check()
+        except Exception:  # outside a step: the loop cannot go on; the client fails what waits
+            logger.exception("engine loop failed")
+        finally:
+            self.send(Stopped())
+
+    def _run_command(self, command: Command) -> None:
+        if isinstance(command, AddRequests):
+            for new in command.reqs:
+                self.scheduler.add(self._request(new))
+        elif isinstance(command, AbortAll):
+            self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
+        elif isinstance(command, Abort):
+            self._end([r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.rid == command.rid], "abort")
+        elif isinstance(command, Query):
+            try:
+                self.send(QueryDone(command.qid, self.QUERIES[command.what](self)))
+            except Exception as e:  # delivered to the caller's thread
+                self.send(QueryDone(command.qid, error=e))
+        else:
+            raise TypeError(f"unknown engine command {type(command).__name__}")
+
+    def _request(self, new: NewRequest) -> Request:
+        """The loop's state for a new completion."""
+        ids = list(new.prompt_ids)
+        return Request(
+            rid=new.rid, index=new.index, stream=new.stream, prompt_ids=ids, params=new.params,
+            sampler=SamplerState(new.params, ids, seed_offset=new.index),
+            detok=IncrementalDetokenizer(self.tokenizer, ids, new.params.skip_special_tokens),
+            kv=SeqKV(new.namespace), constraint=new.constraint, arrival_time=new.arrival_time,
+        )  # fmt: skip
+
+    def _end(self, reqs: list[Request], reason: str, error: str | None = None, flush: bool = True) -> None:
+        """The one way a request ends (length, stop, abort, error): take ``reqs`` out of
+        the scheduler wherever they are (their computed pages still enter the cache),
+        record ``reason`` and send their final output."""
+        for req in reqs:
+            self.scheduler.remove(req)
+            req.finish_reason, req.error = reason, error
+            self.output.deliver(req, flush)
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        plan = sched.schedule()
+        for req in sched.stopped:
+            self.output.deliver(req, flush=True)
+        sched.stopped.clear()
+        if not plan:
+            if not sched.running and sched.waiting:  # nothing fits even in an empty pool
+                self._end([sched.waiting[0]], "error", "not enough KV cache for this request")
+            return
+        batch = sched.build_batch(plan, self.config.device)
+        prompt_lp = [s for s in plan if s.req.params.prompt_logprobs_from is not None and s.start < len(s.req.prompt_ids)]
+        try:
+            logits = self.model.forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
+        except Exception as e:  # the model failed: fail this step's requests, keep serving
+            self._end([s.req for s in plan], "error", f"{type(e).__name__}: {e}")
+            return
+        sched.advance(plan)
+        self.steps += 1
+        if prompt_lp:
+            ends = batch.qo_indptr[1:].tolist()
+            for s, end in zip(plan, ends):
+                if s in prompt_lp:
+                    self.output.prompt_logprobs(s.req, s.start, logits[end - s.count : end])
+            logits = logits[torch.tensor(ends, device=logits.device) - 1]
+        sampling = [i for i, s in enumerate(plan) if s.samples]
+        if not sampling:
+            return
+        kept = []
+        for i in sampling:
+            req = plan[i].req
+            error = self.output.constraint_error(req, logits.shape[1])
+            if error is None:
+                kept.append(i)
+            else:
+                req.error_param = "regex"
+                self._end([req], "error", error)
+        if not kept:
+            return
+        reqs = [plan[i].req for i in kept]
+        rows = self.output.mask(logits[kept], reqs)
+        result = self.sampler.sample(rows, [r.sampler for r in reqs])
+        for j, req in enumerate(reqs):
+            reason, flush = self.output.append(req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])
+            self.generated_tokens += 1
+            if reason is not None:
+                self._end([req], reason, flush=flush)
+
+    # -- queries (run between steps) -------------------------------------------------------------
+
+    def _flush(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        self.kv.flush()
+        return True
+
+    def stats(self) -> dict:
+        """Counters and gauges. Read-only: between steps (a ``stats`` query) it is
+        consistent; from another thread fields may come from either side of a step."""
+        tree = None
+        if self.tree is not None:
+            stats = self.tree.stats()
+            tree = {**stats._asdict(), "hit_rate": stats.hit_rate}
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "preemptions": self.scheduler.preemptions,
+            "pool": {"pages": self.pool.num_pages, "free": self.pool.num_free(), "page_size": self.pool.page_size},
+            "cache": tree,
+        }
+
+    def _check(self) -> None:
+        self.kv.check(self.scheduler.owners())
+
+    QUERIES = {"flush": _flush, "stats": stats, "check": _check}  # what a Query may name
