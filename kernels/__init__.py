@@ -48,11 +48,14 @@ def _flashinfer() -> AttentionBackend:
 
 def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
     """By where the KV lives: on CUDA, FlashInfer for half-precision KV read by queries of
-    the same dtype when it imports, else Triton (which also reads fp32 and mixed KV); on
-    the CPU the C decode kernel when it builds, else torch. The machine having a GPU does
-    not matter, only ``device``."""
+    the same dtype when it imports, else Triton (which also reads fp32 and mixed KV), and
+    torch for quantized KV; on the CPU the C decode kernel when it builds (quantized KV
+    goes through its torch path), else torch. The machine having a GPU does not matter,
+    only ``device``."""
     import torch
 
+    if dtype is not None and not dtype.is_floating_point and str(device).startswith("cuda"):
+        return _torch()  # quantized KV: no GPU kernel reads it yet
     if str(device).startswith("cuda"):
         half = dtype in (torch.float16, torch.bfloat16) and q_dtype in (None, dtype)
         factories = (_flashinfer, _triton) if half else (_triton,)
@@ -83,7 +86,10 @@ def get_backend(name: str = "torch", device: str = "cpu", dtype=None, q_dtype=No
         raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {name!r}")
     if name == "auto":
         return _auto(device, dtype, q_dtype)
-    return BACKENDS[name]()
+    backend = BACKENDS[name]()
+    if dtype is not None and not dtype.is_floating_point and not backend.quantized_kv:
+        raise ValueError(f"attention_backend {name!r} cannot read {dtype} KV yet: use torch or cpu")
+    return backend
 
 
 __all__ = ["AttentionBackend", "BACKENDS", "get_backend"]

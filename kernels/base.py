@@ -10,6 +10,7 @@ class AttentionBackend:
     ``forward`` for each layer."""
 
     name = ""
+    quantized_kv = False  # reads quantized formats (int8 pages with scales); see KVView.gather
 
     def plan(self, batch) -> None:
         """Build whatever index data the batch needs, once for all layers."""
@@ -20,7 +21,7 @@ class AttentionBackend:
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D], the new tokens' K, already stored in ``kv``
         v: torch.Tensor,  # [T, Hkv, D]
-        kv,  # the layer's KV: .k, .v [num_pages, page_size, Hkv, D], .format (.name, .dtype)
+        kv,  # the layer's KV: .k, .v [num_pages, page_size, Hkv, D], .format; see KVView
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
@@ -32,6 +33,7 @@ class AttentionBackend:
 
 
 def stored_as(t: torch.Tensor, kv) -> torch.Tensor:
-    """``t`` (new tokens' K or V) rounded as the pool stored it: itself when the format
-    keeps its dtype, else converted to the format's dtype and back."""
-    return t if t.dtype == kv.format.dtype else t.to(kv.format.dtype).to(t.dtype)
+    """``t`` (new tokens' K or V) as the pool stored it and a backend reads it back, in
+    ``t.dtype``: itself when the format keeps its dtype, else rounded (quantized and
+    dequantized) by the format."""
+    return kv.format.round_trip(t)

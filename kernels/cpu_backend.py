@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from radixkv.kernels.torch_ref import TorchBackend, rows
+from radixkv.kernels.torch_ref import TorchBackend
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
@@ -129,9 +129,7 @@ class CpuBackend(TorchBackend):
         q = q.contiguous()
         out = torch.empty_like(q)
         if len(self.decode_rows) < len(self.qo_lens):  # the other sequences through SDPA
-            k_flat, v_flat = rows(kv)
-            self.attend_sequences(q, k, v, k_flat, v_flat, scale, sliding_window, logit_softcap, out,
-                                  skip=self.decode_rows)  # fmt: skip
+            self.attend_sequences(q, k, v, kv, scale, sliding_window, logit_softcap, out, skip=self.decode_rows)
         status = self._lib.radixkv_paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self._q_rows.data_ptr(), self._kv_starts.data_ptr(),
             self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(), len(self.decode_rows),

@@ -14,13 +14,15 @@ from radixkv.kernels.base import AttentionBackend, stored_as
 
 
 def rows(kv) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K and V as ``[slots, H, D]`` views (``slot = page * page_size + offset``)."""
+    """A layer's K and V as ``[slots, H, D]`` views (``slot = page * page_size + offset``),
+    as stored (quantized formats: without their scales; read those with ``kv.gather``)."""
     heads, dim = kv.k.shape[2], kv.k.shape[3]
     return kv.k.view(-1, heads, dim), kv.v.view(-1, heads, dim)
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    quantized_kv = True  # dequantizes what it gathers
 
     def plan(self, batch) -> None:
         ps = batch.page_size
@@ -48,19 +50,19 @@ class TorchBackend(AttentionBackend):
         self.pad_len = torch.tensor(self.seq_lens, device=device)[:, None]
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
-        k_flat, v_flat = rows(kv)
         if self.decode:
             if self.pad_slots is None:
                 self._pad_decode()
-            return self._decode(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
+            return self._decode(q, kv, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
-        self.attend_sequences(q, stored_as(k, kv), stored_as(v, kv), k_flat, v_flat, scale, sliding_window,
-                              logit_softcap, out)  # fmt: skip
+        self.attend_sequences(q, stored_as(k, kv), stored_as(v, kv), kv, scale, sliding_window, logit_softcap, out)
         return out
 
-    def attend_sequences(self, q, k, v, k_flat, v_flat, scale, sliding_window, logit_softcap, out,
+    def attend_sequences(self, q, k, v, kv, scale, sliding_window, logit_softcap, out,
                          skip: frozenset[int] = frozenset()) -> None:  # fmt: skip
-        """Attention sequence by sequence into ``out``, leaving the sequences in ``skip``."""
+        """Attention sequence by sequence into ``out``, leaving the sequences in ``skip``;
+        ``k``/``v``: the new tokens as stored (``stored_as``); cached KV is read (and
+        dequantized) through ``kv.gather``."""
         start = 0
         masks: dict = self._masks.setdefault(sliding_window, {})
         for i, (n, total, slots) in enumerate(zip(self.qo_lens, self.seq_lens, self.kv_slots)):
@@ -70,8 +72,7 @@ class TorchBackend(AttentionBackend):
             if n == total:  # nothing cached: the new K/V (as stored) are the whole sequence
                 ki, vi = k[start : start + n], v[start : start + n]
             else:
-                ki = k_flat.index_select(0, slots).to(q.dtype)
-                vi = v_flat.index_select(0, slots).to(q.dtype)
+                ki, vi = kv.gather(slots, q.dtype)
             # 4-D [1, H, len, D]: SDPA's fused CPU kernel handles GQA only in this form.
             qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[start : start + n], ki, vi))
             if logit_softcap is None and sliding_window is None and (n == total or n == 1):
@@ -92,10 +93,11 @@ class TorchBackend(AttentionBackend):
             out[start : start + n] = oi[0].transpose(0, 1)
             start += n
 
-    def _decode(self, q, k_flat, v_flat, scale, sliding_window, logit_softcap):
-        shape = (*self.pad_slots.shape, *k_flat.shape[1:])
-        kb = k_flat.index_select(0, self.pad_slots.view(-1)).view(shape).permute(0, 2, 1, 3).to(q.dtype)
-        vb = v_flat.index_select(0, self.pad_slots.view(-1)).view(shape).permute(0, 2, 1, 3).to(q.dtype)
+    def _decode(self, q, kv, scale, sliding_window, logit_softcap):
+        shape = (*self.pad_slots.shape, *kv.k.shape[2:])
+        kb, vb = kv.gather(self.pad_slots.view(-1), q.dtype)
+        kb = kb.view(shape).permute(0, 2, 1, 3)
+        vb = vb.view(shape).permute(0, 2, 1, 3)
         mask = self.pad_pos < self.pad_len  # [B, L]
         if sliding_window is not None:
             mask &= self.pad_pos >= self.pad_len - sliding_window

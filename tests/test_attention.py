@@ -208,3 +208,59 @@ def test_batch_metadata_follows_the_csr_convention():
         ForwardBatch.build([SeqInput([5, 6], 3, np.array([7], dtype=np.int32))], 4)
     with pytest.raises(ValueError, match="sequence 0: new_tokens must not be empty"):
         ForwardBatch.build([SeqInput([], 3, np.array([7], dtype=np.int32))], 4)
+
+
+def int8_case(seed, lens, prefixes, page_size, hq, hkv, dim=16):
+    """A ragged batch whose K/V went through an int8 ``KVPool`` (``store_kv``), over
+    shuffled pages whose unwritten slots hold NaN scales. The dense K/V are what the
+    pool holds, dequantized (``read_kv``); also returns the K/V before quantizing."""
+    from radixkv.cache import KVPool, PoolConfig
+
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(PoolConfig(1, hkv, dim, page_size, kv_dtype="int8", num_pages=4096))
+    for t in (pool.k_scale[0], pool.v_scale[0]):
+        t.fill_(float("nan"))  # poisoned: a slot read but never written shows up
+    seqs, dense_k, dense_v, exact_k, exact_v, new_k, new_v = [], [], [], [], [], [], []
+    for n, p in zip(lens, prefixes):
+        total = n + p
+        count = -(-total // page_size) + 2
+        pages = pool.alloc(count)[torch.randperm(count, generator=g).numpy()]
+        kd, vd = torch.randn(total, hkv, dim, generator=g) * 3, torch.randn(total, hkv, dim, generator=g)
+        slots = pool.slots(pages, 0, total)
+        pool.store_kv(0, kd, vd, slots)
+        k_read, v_read = pool.read_kv(0, slots)
+        seqs.append(SeqInput(list(range(n)), p, pages))
+        dense_k.append(k_read), dense_v.append(v_read), exact_k.append(kd), exact_v.append(vd)
+        new_k.append(kd[p:]), new_v.append(vd[p:])
+    batch = ForwardBatch.build(seqs, page_size, "cpu")
+    q = torch.randn(batch.num_tokens, hq, dim, generator=g)
+    return (batch, q, torch.cat(new_k), torch.cat(new_v), pool.view(0), dense_k, dense_v), exact_k, exact_v
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("lens, prefixes", CASES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_int8_kv_matches_dequantize_then_attend(backend, lens, prefixes, page_size):
+    """int8 pages (one scale per token and KV head) read by every backend that reads
+    them: equal to dense attention over the dequantized cache, new tokens included (a
+    prefill attends to its own K/V as stored, so cache on = off within the format), and
+    within quantization error of the unquantized K/V."""
+    case, exact_k, exact_v = int8_case(11, lens, prefixes, page_size, 6, 2)
+    out = check_against_dense(get_backend(available(backend)), case, lens, scale=0.25, tol=2e-5)
+    start, q = 0, case[1]
+    for n, kd, vd in zip(lens, exact_k, exact_v):
+        exact = dense_reference(q[start : start + n], kd, vd, n, 0.25)
+        assert (out[start : start + n].double() - exact).abs().max() < 0.1  # unit-variance V, peaked scores
+        start += n
+
+
+def test_int8_pages_cost_a_quarter_and_gpu_kernels_refuse_them():
+    from radixkv.cache import PoolConfig
+
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, num_pages=1)
+    int8, fp32 = PoolConfig(**shape, kv_dtype="int8"), PoolConfig(**shape, kv_dtype="fp32")
+    assert int8.bytes_per_page == 2 * 30 * 16 * 3 * (64 + 2)  # int8 elements + an fp16 scale per token-head
+    assert int8.bytes_per_page / fp32.bytes_per_page <= 0.27
+    with pytest.raises(ValueError, match="attention_backend 'triton' cannot read torch.int8 KV"):
+        get_backend(available("triton"), dtype=torch.int8)
+    assert get_backend("auto", "cuda", torch.int8, torch.float32).name == "torch"

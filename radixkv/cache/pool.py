@@ -303,31 +303,47 @@ class KVPool(PageAllocator):
         super().__init__(config.resolved_num_pages())
         self.config = config
         self.page_size = config.page_size
-        self.format = config.format
+        self.format = fmt = config.format
         shape = (self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
-        dtype, device = self.format.dtype, config.device
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        layers, device = range(config.num_layers), config.device
+        self.k = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
+        self.v = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
+        self.k_scale = self.v_scale = None
+        if fmt.quantized:  # one scale per (slot, KV head), beside the pages
+            self.k_scale = [torch.ones(shape[:3], dtype=fmt.scale_dtype, device=device) for _ in layers]
+            self.v_scale = [torch.ones(shape[:3], dtype=fmt.scale_dtype, device=device) for _ in layers]
         rows = (-1, config.num_kv_heads, config.head_dim)
         self._k_rows = [t.view(rows) for t in self.k]
         self._v_rows = [t.view(rows) for t in self.v]
-        self._views = [KVView(k, v, self.format) for k, v in zip(self.k, self.v)]
+        self._views = [
+            KVView(self.k[i], self.v[i], fmt, *((self.k_scale[i], self.v_scale[i]) if fmt.quantized else ()))
+            for i in layers
+        ]
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write new tokens' K and V (``[T, num_kv_heads, head_dim]``, any float dtype)
         into layer ``layer`` at ``slots`` (``[T]`` int64 on the pool's device),
-        converting to the pool's format. Mutates that layer's pages only."""
-        self._k_rows[layer].index_copy_(0, slots, k.to(self.format.dtype))
-        self._v_rows[layer].index_copy_(0, slots, v.to(self.format.dtype))
+        converting to the pool's format (quantizing, with the scales beside). Mutates
+        that layer's pages only."""
+        kq, ks = self.format.quantize(k)
+        vq, vs = self.format.quantize(v)
+        self._k_rows[layer].index_copy_(0, slots, kq)
+        self._v_rows[layer].index_copy_(0, slots, vq)
+        if ks is not None:
+            heads = self.config.num_kv_heads
+            self.k_scale[layer].view(-1, heads).index_copy_(0, slots, ks)
+            self.v_scale[layer].view(-1, heads).index_copy_(0, slots, vs)
 
     def view(self, layer: int) -> KVView:
         """Layer ``layer``'s KV for an attention backend. Does not mutate."""
         return self._views[layer]
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows at ``slots`` (``[T, num_kv_heads, head_dim]`` copies, in the
-        format's dtype): what a later tier or a test reads back. Does not mutate."""
-        return self._k_rows[layer].index_select(0, slots), self._v_rows[layer].index_select(0, slots)
+        """K and V rows at ``slots`` (``[T, num_kv_heads, head_dim]`` copies) as a
+        backend reads them: in the format's dtype, or dequantized to float32 for a
+        quantized format. Does not mutate."""
+        dtype = torch.float32 if self.format.quantized else self.format.dtype
+        return self._views[layer].gather(slots, dtype)
 
     def slots(self, pages, start: int, stop: int) -> torch.Tensor:
         """Slot ids (int64) of token positions ``start..stop-1`` of a sequence whose

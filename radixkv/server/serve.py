@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import signal
 
+from radixkv.cache.formats import FORMATS
 from radixkv.engine.engine import EngineConfig
 from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
@@ -22,7 +23,8 @@ HELP = {
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
-    "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16",
+    "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (one scale per token and "
+                "KV head: 0.26x fp32's bytes)",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
@@ -42,7 +44,7 @@ HELP = {
     "log_level": "uvicorn log level: critical, error, warning, info, debug",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
-           "kv_dtype": ("auto", "fp32", "bf16", "fp16")}  # fmt: skip
+           "kv_dtype": ("auto", *FORMATS)}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
 
