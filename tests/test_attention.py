@@ -212,13 +212,13 @@ def test_batch_metadata_follows_the_csr_convention():
 
 def int8_case(seed, lens, prefixes, page_size, hq, hkv, dim=16):
     """A ragged batch whose K/V went through an int8 ``KVPool`` (``store_kv``), over
-    shuffled pages whose unwritten slots hold NaN scales. The dense K/V are what the
+    shuffled pages whose unwritten slots hold NaN quantization parameters. The dense K/V are what the
     pool holds, dequantized (``read_kv``); also returns the K/V before quantizing."""
     from radixkv.cache import KVPool, PoolConfig
 
     g = torch.Generator().manual_seed(seed)
     pool = KVPool(PoolConfig(1, hkv, dim, page_size, kv_dtype="int8", num_pages=4096))
-    for t in (pool.k_scale[0], pool.v_scale[0]):
+    for t in (pool.k_params[0], pool.v_params[0]):
         t.fill_(float("nan"))  # poisoned: a slot read but never written shows up
     seqs, dense_k, dense_v, exact_k, exact_v, new_k, new_v = [], [], [], [], [], [], []
     for n, p in zip(lens, prefixes):
@@ -241,7 +241,7 @@ def int8_case(seed, lens, prefixes, page_size, hq, hkv, dim=16):
 @pytest.mark.parametrize("lens, prefixes", CASES)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_int8_kv_matches_dequantize_then_attend(backend, lens, prefixes, page_size):
-    """int8 pages (one scale per token and KV head) read by every backend that reads
+    """int8 pages (a scale and an offset per token and KV head) read by every backend that reads
     them: equal to dense attention over the dequantized cache, new tokens included (a
     prefill attends to its own K/V as stored, so cache on = off within the format), and
     within quantization error of the unquantized K/V."""
@@ -259,7 +259,7 @@ def test_int8_pages_cost_a_quarter_and_gpu_kernels_refuse_them():
 
     shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, num_pages=1)
     int8, fp32 = PoolConfig(**shape, kv_dtype="int8"), PoolConfig(**shape, kv_dtype="fp32")
-    assert int8.bytes_per_page == 2 * 30 * 16 * 3 * (64 + 2)  # int8 elements + an fp16 scale per token-head
+    assert int8.bytes_per_page == 2 * 30 * 16 * 3 * (64 + 4)  # int8 elements + fp16 scale and offset per token-head
     assert int8.bytes_per_page / fp32.bytes_per_page <= 0.27
     with pytest.raises(ValueError, match="attention_backend 'triton' cannot read torch.int8 KV"):
         get_backend(available("triton"), dtype=torch.int8)

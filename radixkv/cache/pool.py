@@ -308,31 +308,32 @@ class KVPool(PageAllocator):
         layers, device = range(config.num_layers), config.device
         self.k = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
         self.v = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
-        self.k_scale = self.v_scale = None
-        if fmt.quantized:  # one scale per (slot, KV head), beside the pages
-            self.k_scale = [torch.ones(shape[:3], dtype=fmt.scale_dtype, device=device) for _ in layers]
-            self.v_scale = [torch.ones(shape[:3], dtype=fmt.scale_dtype, device=device) for _ in layers]
+        self.k_params = self.v_params = None
+        if fmt.quantized:  # (scale, offset) per (slot, KV head), beside the pages
+            params = (*shape[:3], 2)
+            self.k_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
+            self.v_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
         rows = (-1, config.num_kv_heads, config.head_dim)
         self._k_rows = [t.view(rows) for t in self.k]
         self._v_rows = [t.view(rows) for t in self.v]
         self._views = [
-            KVView(self.k[i], self.v[i], fmt, *((self.k_scale[i], self.v_scale[i]) if fmt.quantized else ()))
+            KVView(self.k[i], self.v[i], fmt, *((self.k_params[i], self.v_params[i]) if fmt.quantized else ()))
             for i in layers
         ]
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write new tokens' K and V (``[T, num_kv_heads, head_dim]``, any float dtype)
         into layer ``layer`` at ``slots`` (``[T]`` int64 on the pool's device),
-        converting to the pool's format (quantizing, with the scales beside). Mutates
+        converting to the pool's format (quantizing, with the parameters beside). Mutates
         that layer's pages only."""
-        kq, ks = self.format.quantize(k)
-        vq, vs = self.format.quantize(v)
+        kq, kp = self.format.quantize(k)
+        vq, vp = self.format.quantize(v)
         self._k_rows[layer].index_copy_(0, slots, kq)
         self._v_rows[layer].index_copy_(0, slots, vq)
-        if ks is not None:
-            heads = self.config.num_kv_heads
-            self.k_scale[layer].view(-1, heads).index_copy_(0, slots, ks)
-            self.v_scale[layer].view(-1, heads).index_copy_(0, slots, vs)
+        if kp is not None:
+            rows = (-1, self.config.num_kv_heads, 2)
+            self.k_params[layer].view(rows).index_copy_(0, slots, kp)
+            self.v_params[layer].view(rows).index_copy_(0, slots, vp)
 
     def view(self, layer: int) -> KVView:
         """Layer ``layer``'s KV for an attention backend. Does not mutate."""

@@ -23,8 +23,8 @@ HELP = {
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
-    "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (one scale per token and "
-                "KV head: 0.26x fp32's bytes)",
+    "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (a scale and offset per token "
+                "and KV head: 0.27x fp32's bytes)",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
