@@ -94,10 +94,9 @@ def replay_lifecycle(prompts, capacity_pages: int, page_size: int) -> dict:
     """One request at a time through radixkv's ``KVCacheManager``, the whole per-request
     KV lifecycle a serving engine runs for a prefill, timed as one span per request
     (perf_counter_ns, gc off): a fresh ``SeqKV``; ``admit`` (match ``tokens[:-1]``,
-    lock, reference the cached pages); ``reserve`` the uncached tokens (evicting when
-    the pool is short); ``computed(seq, len)``; ``release`` (insert the whole pages,
-    the tree's duplicates go free, unlock, drop the references: the partial last page
-    goes free). A request ``reserve`` refuses is released at once, counted in
+    lock the match); ``reserve`` the uncached tokens (evicting when the pool is short);
+    ``computed(seq, len)``; ``release`` (the tree adopts the whole new pages, copies of
+    pages it had go free, unlock, the partial last page goes free). A request ``reserve`` refuses is released at once, counted in
     ``rejected``, its time kept.
 
     Returns ``hit_rate`` (hit / prompt tokens), ``queried_tokens``, ``hit_tokens``
@@ -129,14 +128,7 @@ def replay_lifecycle(prompts, capacity_pages: int, page_size: int) -> dict:
     finally:
         gc.enable()
     kv.check([])
-    return {
-        "hit_rate": hit_tokens / queried_tokens if queried_tokens else 0.0,
-        "queried_tokens": queried_tokens,
-        "hit_tokens": hit_tokens,
-        "evicted_pages": tree.evicted_pages,
-        "rejected": rejected,
-        "request_ns": request_ns,
-    }
+    return sglang_tree.replay_result(queried_tokens, hit_tokens, tree.evicted_pages, rejected, request_ns=request_ns)
 
 
 LIFECYCLE_TARGET = 0.5  # radixkv's time per request / the Rust core's, at most

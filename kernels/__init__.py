@@ -46,6 +46,11 @@ def _flashinfer() -> AttentionBackend:
     return FlashInferBackend()
 
 
+def _quantized(dtype) -> bool:
+    """Whether a KV dtype is a quantized format's (integer codes, not floats)."""
+    return dtype is not None and not dtype.is_floating_point
+
+
 def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
     """By where the KV lives: on CUDA, FlashInfer for half-precision KV read by queries of
     the same dtype when it imports, else Triton (which also reads fp32 and mixed KV), and
@@ -54,8 +59,8 @@ def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
     only ``device``."""
     import torch
 
-    if dtype is not None and not dtype.is_floating_point and str(device).startswith("cuda"):
-        return _torch()  # quantized KV: no GPU kernel reads it yet
+    if _quantized(dtype) and str(device).startswith("cuda"):
+        return _torch()  # no GPU kernel reads quantized KV yet
     if str(device).startswith("cuda"):
         half = dtype in (torch.float16, torch.bfloat16) and q_dtype in (None, dtype)
         factories = (_flashinfer, _triton) if half else (_triton,)
@@ -87,7 +92,7 @@ def get_backend(name: str = "torch", device: str = "cpu", dtype=None, q_dtype=No
     if name == "auto":
         return _auto(device, dtype, q_dtype)
     backend = BACKENDS[name]()
-    if dtype is not None and not dtype.is_floating_point and not backend.quantized_kv:
+    if _quantized(dtype) and not backend.quantized_kv:
         raise ValueError(f"attention_backend {name!r} cannot read {dtype} KV yet: use torch or cpu")
     return backend
 

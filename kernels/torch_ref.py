@@ -13,13 +13,6 @@ import torch.nn.functional as F
 from radixkv.kernels.base import AttentionBackend, stored_as
 
 
-def rows(kv) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K and V as ``[slots, H, D]`` views (``slot = page * page_size + offset``),
-    as stored (quantized formats: without their scales; read those with ``kv.gather``)."""
-    heads, dim = kv.k.shape[2], kv.k.shape[3]
-    return kv.k.view(-1, heads, dim), kv.v.view(-1, heads, dim)
-
-
 class TorchBackend(AttentionBackend):
     name = "torch"
     quantized_kv = True  # dequantizes what it gathers

@@ -36,7 +36,7 @@ from types import ModuleType
 
 import torch
 
-from benchmarks.peers.sglang_tree import PEER_DIR, SGLANG_VERSION, register_package, unavailable
+from benchmarks.peers.sglang_tree import PEER_DIR, SGLANG_VERSION, load_failure, register_package, replay_result
 _EXTENSION = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
 _FULL = 0  # sglang.srt.mem_cache.unified_cache.component_type.ComponentType.FULL
 
@@ -57,11 +57,7 @@ def _load() -> ModuleType:
 
 def available() -> str | None:
     """None if SGLang's Rust tree core imports, else a one-line reason and how to fix it."""
-    try:
-        _load()
-    except Exception as exc:  # noqa: BLE001 - any import-time failure means "not available"
-        return unavailable("SGLang Rust tree core", exc)
-    return None
+    return load_failure("SGLang Rust tree core", _load)
 
 
 class _PagedFreeList:
@@ -274,14 +270,7 @@ def replay(prompts: list[list[int]], capacity_pages: int, page_size: int) -> dic
         torch.set_num_threads(threads)
 
     _check_no_leak(tree, allocator, capacity_pages)
-    return {
-        "hit_rate": hit_tokens / queried_tokens if queried_tokens else 0.0,
-        "queried_tokens": queried_tokens,
-        "hit_tokens": hit_tokens,
-        "evicted_pages": evicted_pages,
-        "rejected": rejected,
-        "request_ns": request_ns,
-    }
+    return replay_result(queried_tokens, hit_tokens, evicted_pages, rejected, request_ns=request_ns)
 
 
 def _check_no_leak(tree, allocator: _PagedFreeList, capacity_pages: int) -> None:

@@ -154,13 +154,18 @@ def _load() -> _SGLang:
     )
 
 
+def load_failure(what: str, load) -> str | None:
+    """None if ``load()`` succeeds, else ``unavailable(what, ...)`` for what it raised."""
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001 - any import-time failure means "not available"
+        return unavailable(what, exc)
+    return None
+
+
 def available() -> str | None:
     """None if SGLang's radix tree imports, else a one-line reason and how to fix it."""
-    try:
-        _load()
-    except Exception as exc:  # noqa: BLE001 - any import-time failure means "not available"
-        return unavailable("SGLang peer", exc)
-    return None
+    return load_failure("SGLang peer", _load)
 
 
 class _MockPagedAllocator:
@@ -296,13 +301,19 @@ def replay(prompts: list[list[int]], capacity_pages: int, page_size: int) -> dic
         timings["lock"][-1] += _elapsed_us(start)
 
     _check_no_leak(tree, allocator, capacity_pages)
+    return replay_result(queried_tokens, hit_tokens, evicted_pages, rejected, timings_us=timings)
+
+
+def replay_result(queried_tokens: int, hit_tokens: int, evicted_pages: int, rejected: int, **measured) -> dict:
+    """What a replay returns (here, in ``sglang_rust_tree`` and in ``bench_radix``): the
+    counts, the hit rate they give, and the replay's own timings (``measured``)."""
     return {
         "hit_rate": hit_tokens / queried_tokens if queried_tokens else 0.0,
         "queried_tokens": queried_tokens,
         "hit_tokens": hit_tokens,
         "evicted_pages": evicted_pages,
         "rejected": rejected,
-        "timings_us": timings,
+        **measured,
     }
 
 

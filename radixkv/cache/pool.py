@@ -167,11 +167,10 @@ class PageAllocator:
         counts = self._counts(pages)
         if not self._sole(counts):
             raise ValueError(f"pages must have exactly one owner to be freed: {pages[counts != 1][:8].tolist()}")
-        freed = _sorted_distinct(pages)
+        freed = self._free_sole(pages)
         if freed is None:
             raise ValueError(f"pages lists ids twice: {_repeated(pages)[:8].tolist()}")
-        self._refs.put(freed, 0)
-        return self._push_free(freed)
+        return freed
 
     def decref(self, pages) -> int:
         """Drop one reference from each entry of ``pages``; return how many pages became free.
@@ -200,16 +199,24 @@ class PageAllocator:
             return 0
         refs = self._refs
         if self._sole(refs.take(pages)):  # the caller owns each alone: as ``free``
-            freed = _sorted_distinct(pages)
+            freed = self._free_sole(pages)
             if freed is not None:
-                refs.put(freed, 0)
-                return self._push_free(freed)
+                return freed
         np.subtract.at(refs, pages, _ONE)
         after = refs.take(pages)
         if np.count_nonzero(after < 0):
             np.add.at(refs, pages, _ONE)
             raise ValueError(f"pages released more often than owned: {pages[after < 0][:8].tolist()}")
         return self._push_free(np.unique(pages[after == 0]))  # a page listed twice reached 0 once
+
+    def _free_sole(self, pages: PageIds) -> int | None:
+        """Free ``pages``, whose counts are all 1 (checked by the caller); None, changing
+        nothing, if an id is listed twice. Returns how many went free."""
+        freed = _sorted_distinct(pages)
+        if freed is None:
+            return None
+        self._refs.put(freed, 0)
+        return self._push_free(freed)
 
     def _sole(self, counts: np.ndarray) -> bool:
         """Whether every count is exactly 1 (one memcmp, no temporaries)."""

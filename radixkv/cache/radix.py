@@ -105,23 +105,23 @@ class Node:
         """This edge's token ids."""
         return array("i", self.key).tolist()
 
-    def path_key(self) -> bytes:
-        """All tokens from the root to the end of this node, as a key."""
-        parts = []
+    def _path(self) -> list[Node]:
+        """The nodes from the root (included) down to this one."""
+        nodes = []
         node = self
         while node is not None:
-            parts.append(node.key)
+            nodes.append(node)
             node = node.parent
-        return b"".join(reversed(parts))
+        return nodes[::-1]
+
+    def path_key(self) -> bytes:
+        """All tokens from the root to the end of this node, as a key."""
+        return b"".join(n.key for n in self._path())
 
     def path_pages(self) -> PageIds:
         """All pages from the root to the end of this node, in order (a new array)."""
-        parts = []
-        node = self
-        while node is not None:
-            parts.append(node.pages)
-            node = node.parent
-        return np.concatenate(parts[::-1]) if len(parts) > 1 else _EMPTY_PAGES
+        nodes = self._path()
+        return np.concatenate([n.pages for n in nodes]) if len(nodes) > 1 else _EMPTY_PAGES
 
     def __repr__(self) -> str:
         return f"Node(tokens={self.num_tokens}, pages={len(self.pages)}, lock_ref={self.lock_ref})"

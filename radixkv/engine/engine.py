@@ -130,8 +130,6 @@ class Engine:
         self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if self.tokenizer.chat_template else None
         self._outbox: queue.Queue[Output] = queue.Queue()
         self.loop = EngineLoop(cfg, self._outbox.put, self.tokenizer)
-        self.max_context = self.loop.max_context
-        self._capacity = self.loop.capacity_tokens
         self.grammar = Grammar(self.tokenizer, self.loop.vocab_size)  # compiles regex constraints
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
@@ -331,6 +329,11 @@ class Engine:
         return self.tokenizer.decode(list(ids), skip_special_tokens)
 
     @property
+    def max_context(self) -> int:
+        """The model's context length in tokens (prompt and output together)."""
+        return self.loop.max_context
+
+    @property
     def vocab_size(self) -> int:
         """Token ids run from 0 to ``vocab_size - 1``."""
         return self.loop.vocab_size
@@ -356,7 +359,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
-        capacity = self._capacity
+        capacity = self.loop.capacity_tokens
         if len(ids) >= capacity:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {capacity} (raise kv_cache_tokens)")
         return ids

@@ -105,7 +105,7 @@ class EngineLoop:
                     command = None
                 if command is not None:
                     if isinstance(command, Close):
-                        self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
+                        self._end(self.scheduler.requests(), "abort")
                         return
                     self._run_command(command)
                     continue  # drain all commands before the next step
@@ -114,8 +114,7 @@ class EngineLoop:
                         self._step()
                     except Exception as e:  # a bug must not take the engine down: fail what is queued
                         logger.exception("engine step failed")
-                        self._end([*self.scheduler.running, *self.scheduler.waiting], "error",
-                                  f"{type(e).__name__}: {e}")  # fmt: skip
+                        self._end(self.scheduler.requests(), "error", f"{type(e).__name__}: {e}")
                 elif self.config.debug:
                     self._check()
         except Exception:  # outside a step: the loop cannot go on; the client fails what waits
@@ -128,9 +127,9 @@ class EngineLoop:
             for new in command.reqs:
                 self.scheduler.add(self._request(new))
         elif isinstance(command, AbortAll):
-            self._end([*self.scheduler.running, *self.scheduler.waiting], "abort")
+            self._end(self.scheduler.requests(), "abort")
         elif isinstance(command, Abort):
-            self._end([r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.rid == command.rid], "abort")
+            self._end([r for r in self.scheduler.requests() if r.rid == command.rid], "abort")
         elif isinstance(command, Query):
             try:
                 self.send(QueryDone(command.qid, self.QUERIES[command.what](self)))

@@ -165,6 +165,10 @@ class Scheduler:
             if s.count > 1:  # a prefill chunk, not a decode step
                 self.kv.commit(s.req.kv, s.req.tokens)
 
+    def requests(self) -> list[Request]:
+        """Every request it holds, running then waiting. Does not mutate."""
+        return [*self.running, *self.waiting]
+
     def owners(self) -> list:
         """The KV handles of the requests that hold memory (for ``KVCacheManager.check``)."""
         return [r.kv for r in self.running]
