@@ -10,10 +10,9 @@ Sequences with more than one new token (prefill, chunked prefill, extend) keep t
 reference path (SDPA per sequence); in a mixed batch the decode rows go to the kernel
 and the others to SDPA. A non-float32 cache or query runs wholly on the reference path.
 
-The kernel is compiled on first use with the system C compiler (``$CC``, else ``cc``,
-``gcc``, ``clang``) and ``-O3 -march=native -fopenmp`` into
-``$RADIXKV_CACHE_DIR`` (default ``~/.cache/radixkv``), named by a hash of the source,
-the compiler, the flags and this CPU; later processes load the cached library. Without
+The kernel is compiled on first use with ``-O3 -march=native -fopenmp`` by
+``radixkv.kernels.build`` (the system C compiler; cached in ``$RADIXKV_CACHE_DIR``,
+named by a hash of the source, the compiler, the flags and this CPU). Without
 a compiler, or if the build fails, constructing the backend raises ImportError, and
 ``auto`` falls back to ``torch``.
 """
@@ -21,17 +20,12 @@ a compiler, or if the build fails, constructing the backend raises ImportError, 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from radixkv.kernels import build
 from radixkv.kernels.torch_ref import TorchBackend
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -42,27 +36,6 @@ _library: ctypes.CDLL | None = None
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _ARGTYPES = [_ptr] * 8 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RADIXKV_CACHE_DIR") or Path.home() / ".cache" / "radixkv")
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    raise ImportError("the cpu attention backend needs a C compiler (set CC, or install gcc)")
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    keep = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(sorted(set(keep)))
 
 
 def load_library() -> ctypes.CDLL:
@@ -78,28 +51,7 @@ def load_library() -> ctypes.CDLL:
 
 
 def _build_and_load() -> ctypes.CDLL:
-    cc = _compiler()
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except subprocess.SubprocessError as e:
-        raise ImportError(f"cannot run the C compiler {cc}: {e}") from e
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu_id().encode(),
-                                      platform.machine().encode()])).hexdigest()[:16]  # fmt: skip
-    target = cache_dir() / f"cpu_decode-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise ImportError(f"building {SOURCE.name} failed:\n{done.stderr.strip()}")
-            os.replace(tmp, target)  # atomic: concurrent builders each install a whole file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(build.build("cpu_decode", SOURCE, FLAGS, depends_on=(build.cpu_id(),), libs=("-lm",))))
     lib.radixkv_paged_decode.argtypes = _ARGTYPES
     lib.radixkv_paged_decode.restype = ctypes.c_int
     return lib

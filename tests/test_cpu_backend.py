@@ -4,13 +4,13 @@ import pytest
 import torch
 from test_attention import check_against_dense, random_case
 
-from radixkv.kernels import cpu_backend, get_backend
+from radixkv.kernels import build, cpu_backend, get_backend
 from radixkv.kernels.torch_ref import TorchBackend
 
 
 def _has_compiler():
     try:
-        cpu_backend._compiler()
+        build.compiler()
         return True
     except ImportError:
         return False
@@ -114,7 +114,7 @@ def test_a_failed_build_raises_importerror_and_auto_falls_back(fresh_build, monk
 
 def test_no_compiler_raises_importerror_and_auto_falls_back(fresh_build, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(cpu_backend.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     with pytest.raises(ImportError, match="needs a C compiler"):
         get_backend("cpu")
     assert get_backend("auto").name == "torch"

@@ -16,12 +16,13 @@ from radixkv.cache import PageAllocator, RadixCache, sim
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.traces import TraceRequest
 from radixkv.errors import IntegrityError
+from radixkv.kernels.pages import NumpyPages
 
 PS = 2
 
 
-def manager(num_pages=16, tree=True):
-    pool = PageAllocator(num_pages)
+def manager(num_pages=16, tree=True, loops=None):
+    pool = PageAllocator(num_pages, loops)
     return KVCacheManager(pool, RadixCache(pool, PS) if tree else None, PS)
 
 
@@ -156,9 +157,11 @@ class ManagerMachine(RuleBasedStateMachine):
     cached page under the wrong identity, a page freed and reused while still read) is
     caught; ``check`` proves the one-owner accounting after every step."""
 
+    loops = None  # the compiled page loops where a C compiler is here
+
     def __init__(self):
         super().__init__()
-        self.kv = manager(12)
+        self.kv = manager(12, loops=self.loops)
         self.shadow: dict[int, list] = {}  # page -> the token ids written into its slots
         self.running: list[tuple[SeqKV, list[int]]] = []
         self.seen = [[1, 2, 3, 4, 5, 6]]
@@ -224,9 +227,16 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.kv.pool.num_free() == self.kv.pool.num_pages
 
 
+class ManagerMachineNumpy(ManagerMachine):
+    loops = NumpyPages  # the fallback's contract, under the same rules
+
+
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+TestManagerMachineNumpy = ManagerMachineNumpy.TestCase
+TestManagerMachineNumpy.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
 
 # -- the simulator replays what the engine does ---------------------------------------------

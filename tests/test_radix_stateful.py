@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.cache import POLICIES, PageAllocator, RadixCache
+from radixkv.kernels.pages import NumpyPages
 
 CAPACITY = 40  # pages
 MAX_LEN = 20  # tokens per sequence
@@ -24,10 +25,11 @@ MAX_RUNNING = 4
 
 class TreeMachine(RuleBasedStateMachine):
     page_size = 1
+    loops = None  # the compiled page loops where a C compiler is here
 
     @initialize(policy=st.sampled_from(sorted(POLICIES)))
     def setup(self, policy):
-        self.alloc = PageAllocator(CAPACITY)
+        self.alloc = PageAllocator(CAPACITY, self.loops)
         self.tree = RadixCache(self.alloc, self.page_size, policy)
         self.model: dict[tuple, int] = {}
         self.running: list[dict] = []
@@ -170,6 +172,7 @@ class TreeMachinePage1(TreeMachine):
 
 class TreeMachinePage3(TreeMachine):
     page_size = 3
+    loops = NumpyPages  # the fallback's contract, under the same rules
 
 
 TestTreePage1 = TreeMachinePage1.TestCase

@@ -12,7 +12,7 @@ Owners of a reference are the radix tree (one per page it holds) and each runnin
 sequence (one per page of its own: computed but not yet in the tree). A page goes back
 to the free stack exactly when its count reaches 0. The engine's pages each have one
 owner (``KVCacheManager``: a sequence reads the tree's pages under a lock on their
-node, not through a reference), so ``free`` serves it without ``ufunc.at``.
+node, not through a reference), so ``free`` serves it in one pass over the ids.
 
 Page ids are ``np.int32`` arrays everywhere: they fit FlashInfer's int32
 ``kv_indices`` and convert to tensors without a copy (``torch.from_numpy``).
@@ -27,6 +27,7 @@ import torch
 
 from radixkv.cache.formats import KVFormat, KVView, kv_format
 from radixkv.errors import IntegrityError, OutOfPagesError
+from radixkv.kernels import pages as page_loops
 
 MAX_PAGES = 2**31 - 1  # page ids must fit int32
 
@@ -40,7 +41,7 @@ def as_page_ids(pages, field: str = "pages") -> PageIds:
     Raises ValueError when the input is not a 1-D sequence of integers within int32.
     """
     if isinstance(pages, np.ndarray) and pages.dtype == np.int32 and pages.ndim == 1:
-        return pages
+        return pages if pages.flags.c_contiguous else pages.copy()
     if isinstance(pages, torch.Tensor):
         pages = pages.detach().cpu().numpy()
     arr = np.asarray(pages)
@@ -57,15 +58,6 @@ def as_page_ids(pages, field: str = "pages") -> PageIds:
     return arr
 
 
-def _sorted_distinct(pages: PageIds) -> PageIds | None:
-    """``pages`` sorted ascending, or None if an id is listed twice."""
-    ordered = pages.copy()
-    ordered.sort()  # the method: np.sort costs a microsecond more per call
-    if ordered.size > 1 and np.count_nonzero(ordered[1:] == ordered[:-1]):
-        return None
-    return ordered
-
-
 def _repeated(pages: PageIds) -> PageIds:
     """The ids listed more than once in ``pages``, ascending."""
     ids, counts = np.unique(pages, return_counts=True)
@@ -76,18 +68,22 @@ class PageAllocator:
     """Free stack plus one reference count per page.
 
     ``alloc`` returns ascending ids from a fresh pool and reuses freed pages last in,
-    first out. Every method validates its input before it changes anything, so a call
-    that raises leaves the allocator exactly as it was.
+    first out (the pages one call frees come back in the order it listed them). Every
+    method validates its input before it changes anything, so a call that raises
+    leaves the allocator exactly as it was. The loops over ids run in
+    ``radixkv.kernels.pages`` (compiled, or numpy without a C compiler).
     """
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, loops=None):
+        """``loops``: the implementation of ``radixkv.kernels.pages`` to use (default
+        ``pages.native()``: compiled when a C compiler is here; ``pages.NumpyPages``)."""
         if not isinstance(num_pages, (int, np.integer)) or isinstance(num_pages, bool):
             raise TypeError(f"num_pages must be an int, got {type(num_pages).__name__}")
         if not 0 < num_pages <= MAX_PAGES:
             raise ValueError(f"num_pages must be in [1, {MAX_PAGES}], got {num_pages}")
         self.num_pages = int(num_pages)
         self._refs = np.zeros(self.num_pages, dtype=np.int32)
-        self._ones = np.ones(self.num_pages, dtype=np.int32).tobytes()  # "count 1 each", compared as bytes
+        self.loops = loops or page_loops.native()
         # Free stack: the top is the end of the array, so the lowest ids come out first.
         self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self.num_pages
@@ -129,7 +125,7 @@ class PageAllocator:
         top = self._top
         pages = self._stack[top - n : top][::-1].copy()
         self._top = top - n
-        self._refs.put(pages, 1)  # put: no int32 -> intp copy of the ids, unlike a[ids] = 1
+        self.loops.fill(self._refs, pages, 1)
         return pages
 
     def incref(self, pages) -> None:
@@ -146,31 +142,24 @@ class PageAllocator:
 
     def free(self, pages) -> int:
         """Give back pages their one owner holds alone (reference count 1, each listed
-        once): the sole-owner fast path of ``decref``, without its ``ufunc.at``. Returns
+        once): the sole-owner fast path of ``decref``, one pass over the ids. Returns
         how many went free (``len(pages)``).
 
         Mutates the free stack. Raises ValueError, changing nothing, if an id is out of
         range, a page has another count than 1, or an id is listed twice.
         """
         pages = as_page_ids(pages)
-        if pages.size == 1:  # the common case (a sequence's partial last page), in scalars
-            page = int(pages[0])
-            if not 0 <= page < self.num_pages or self._refs[page] != 1:
-                self._counts(pages)  # ValueError for an id out of range
-                raise ValueError(f"pages must have exactly one owner to be freed: {[page]}")
-            self._refs[page] = 0
-            self._stack[self._top] = page
-            self._top += 1
-            return 1
-        if not pages.size:
-            return 0
-        counts = self._counts(pages)
-        if not self._sole(counts):
+        top = self.loops.free_sole(self._refs, self._stack, self._top, pages)
+        if top >= 0:
+            freed, self._top = top - self._top, top
+            return freed
+        if top == page_loops.NOT_SOLE:
+            counts = self._refs.take(pages)
             raise ValueError(f"pages must have exactly one owner to be freed: {pages[counts != 1][:8].tolist()}")
-        freed = self._free_sole(pages)
-        if freed is None:
+        if top == page_loops.TWICE:
             raise ValueError(f"pages lists ids twice: {_repeated(pages)[:8].tolist()}")
-        return freed
+        self._counts(pages)  # ValueError for ids out of range
+        raise IntegrityError(f"the free stack cannot take {pages.size} pages at {self._top}")
 
     def decref(self, pages) -> int:
         """Drop one reference from each entry of ``pages``; return how many pages became free.
@@ -192,41 +181,26 @@ class PageAllocator:
             raise ValueError(f"pages must lie in [0, {self.num_pages}), got {pages.min()}..{pages.max()}") from None
 
     def release(self, pages: PageIds) -> int:
-        """``decref`` without the range check, for an int32 array of ids the caller
-        holds (the tree, dropping its own pages). Still raises ValueError, changing
-        nothing, when more references are dropped than a page has."""
+        """``decref`` for an int32 array of ids in range that the caller holds (the tree,
+        dropping its own pages). Still raises ValueError, changing nothing, when more
+        references are dropped than a page has."""
         if not pages.size:
             return 0
         refs = self._refs
-        if self._sole(refs.take(pages)):  # the caller owns each alone: as ``free``
-            freed = self._free_sole(pages)
-            if freed is not None:
-                return freed
+        top = self.loops.free_sole(refs, self._stack, self._top, pages)  # the caller owns each alone: as ``free``
+        if top >= 0:
+            freed, self._top = top - self._top, top
+            return freed
         np.subtract.at(refs, pages, _ONE)
         after = refs.take(pages)
         if np.count_nonzero(after < 0):
             np.add.at(refs, pages, _ONE)
             raise ValueError(f"pages released more often than owned: {pages[after < 0][:8].tolist()}")
-        return self._push_free(np.unique(pages[after == 0]))  # a page listed twice reached 0 once
-
-    def _free_sole(self, pages: PageIds) -> int | None:
-        """Free ``pages``, whose counts are all 1 (checked by the caller); None, changing
-        nothing, if an id is listed twice. Returns how many went free."""
-        freed = _sorted_distinct(pages)
-        if freed is None:
-            return None
-        self._refs.put(freed, 0)
-        return self._push_free(freed)
-
-    def _sole(self, counts: np.ndarray) -> bool:
-        """Whether every count is exactly 1 (one memcmp, no temporaries)."""
-        return counts.tobytes() == self._ones[: 4 * counts.size]
-
-    def _push_free(self, freed: PageIds) -> int:
-        """Put ``freed`` (ascending, distinct, counts already 0) on the free stack, the
-        lowest id on top. Returns how many."""
+        zero = pages[after == 0]
+        _, first = np.unique(zero, return_index=True)  # a page listed twice reached 0 once
+        freed = zero[np.sort(first)]
         top = self._top
-        self._stack[top : top + freed.size] = freed[::-1]
+        self._stack[top : top + freed.size] = freed[::-1]  # as ``free``: the first listed on top
         self._top = top + freed.size
         return int(freed.size)
 

@@ -37,6 +37,7 @@ import torch
 from radixkv.cache.policy import EvictionPolicy, make_policy
 from radixkv.cache.pool import PageAllocator, PageIds, as_page_ids
 from radixkv.errors import IntegrityError
+from radixkv.kernels import pages as page_loops
 
 _TOKEN = 4  # bytes per token in a key
 _INT32_MAX = 2**31 - 1
@@ -188,7 +189,8 @@ class RadixCache:
         self._width = page_size * _TOKEN  # bytes per page in a key
         self._roots: dict[object, Node] = {}  # only namespaces that hold a node
         self._held = np.zeros(allocator.num_pages, dtype=np.int32)  # page -> in the tree (nonzero)
-        self._marks = np.arange(1, allocator.num_pages + 1, dtype=np.int32)  # see _hold
+        self._refs = allocator.refcounts()  # a read-only view, for _hold's ownership check
+        self._loops = allocator.loops
         self._heap: list[tuple] = []
         self._seq = 0  # heap tie-breaker
         self._tick = 0  # logical clock for access statistics
@@ -345,17 +347,13 @@ class RadixCache:
         new_pages = None
         if start < end:
             new_pages = pages[start // width : num_pages].copy()
-            self._hold(new_pages)  # ValueError for ids out of range, held or repeated, changing nothing
-            try:
-                if adopt:
-                    counts = self.allocator.refcount(new_pages)
-                    if np.count_nonzero(counts) != counts.size:
-                        raise ValueError(f"pages not owned by anybody cannot be adopted: {new_pages[:8].tolist()}")
-                else:
+            self._hold(new_pages, adopt)  # ValueError for ids out of range, held, repeated, free: no change
+            if not adopt:
+                try:
                     self.allocator.incref(new_pages)
-            except ValueError:
-                self._held.put(new_pages, 0)
-                raise
+                except ValueError:
+                    self._loops.fill(self._held, new_pages, 0)
+                    raise
         # -- validated: mutate from here on --
         if cut:
             node = self._split(child, cut)
@@ -374,25 +372,22 @@ class RadixCache:
             node.priority = priority
         return Inserted(start // _TOKEN, node)
 
-    def _hold(self, pages: PageIds) -> None:
+    def _hold(self, pages: PageIds, adopt: bool) -> None:
         """Mark ``pages`` held by the tree. ValueError, changing nothing, unless each id
-        is in range, held by no node, and listed once. Vectorised, O(len(pages)): the
-        marks written are 1..n in list order, so an id listed twice reads back the
-        mark of its last entry at its first."""
-        try:
-            held = self._held.take(pages.view(np.uint32))  # a negative id reads as out of range
-        except IndexError:
-            raise ValueError(
-                f"pages must lie in [0, {self.allocator.num_pages}), got {pages.min()}..{pages.max()}"
-            ) from None
-        if np.count_nonzero(held):
+        is in range, held by no node, listed once and (with ``adopt``) owned by the
+        caller. One pass (``radixkv.kernels.pages.hold``)."""
+        status = self._loops.hold(self._held, self._refs, pages, adopt)
+        if status == page_loops.OUT_OF_RANGE:
+            raise ValueError(f"pages must lie in [0, {self.allocator.num_pages}), got {pages.min()}..{pages.max()}")
+        if status == page_loops.HELD:
+            held = self._held.take(pages)
             raise ValueError(f"pages already held by the tree (in some namespace): {pages[held != 0][:8].tolist()}")
-        marks = self._marks[: pages.size]
-        self._held.put(pages, marks)
-        back = self._held.take(pages)
-        if back.tobytes() != marks.tobytes():
-            self._held.put(pages, 0)
-            raise ValueError(f"pages lists ids twice: {np.unique(pages[back != marks])[:8].tolist()}")
+        if status == page_loops.NOT_OWNED:
+            free = self._refs.take(pages) == 0
+            raise ValueError(f"pages not owned by anybody cannot be adopted: {pages[free][:8].tolist()}")
+        if status == page_loops.TWICE:
+            ids, counts = np.unique(pages, return_counts=True)
+            raise ValueError(f"pages lists ids twice: {ids[counts > 1][:8].tolist()}")
 
     def lock(self, node: Node) -> None:
         """Pin ``node`` and its path to the root against eviction (counted: lock twice,
@@ -472,7 +467,7 @@ class RadixCache:
                 break
             self.evicted_pages += taken
             dropped = dropped[0] if len(dropped) == 1 else np.concatenate(dropped)
-            self._held.put(dropped, 0)
+            self._loops.fill(self._held, dropped, 0)
             freed += self.allocator.release(dropped)
         return freed
 

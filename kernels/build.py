@@ -1,0 +1,72 @@
+"""Compile a C source of this package once and cache the shared object.
+
+Used by the CPU attention kernel (``cpu_decode.c``, loaded with ctypes) and by the
+page-array loops (``pages.c``, a CPython extension). The system C compiler (``$CC``,
+else ``cc``, ``gcc``, ``clang``) builds into ``$RADIXKV_CACHE_DIR`` (default
+``~/.cache/radixkv``); the file is named by a hash of the source, the compiler's
+version, the flags and whatever else the caller says the binary depends on (the CPU for
+``-march=native``, the Python ABI for an extension), so later processes load it
+without compiling and a change to any of them builds anew. Concurrent builders each
+install a whole file (write to a temporary name, then an atomic rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RADIXKV_CACHE_DIR") or Path.home() / ".cache" / "radixkv")
+
+
+def compiler() -> str:
+    """The C compiler's path; ImportError when there is none."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise ImportError("radixkv's C code needs a C compiler (set CC, or install gcc)")
+
+
+def cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(keep)))
+
+
+def build(name: str, source: Path, flags: tuple[str, ...], depends_on: tuple[str, ...] = (),
+          libs: tuple[str, ...] = ()) -> Path:  # fmt: skip
+    """The shared object ``NAME-HASH.so`` compiled from ``source`` with ``flags`` (built
+    now unless cached). Raises ImportError without a compiler or when the build fails (leaving no
+    partial file); OSError for an unwritable cache directory."""
+    cc = compiler()
+    text = source.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except subprocess.SubprocessError as e:
+        raise ImportError(f"cannot run the C compiler {cc}: {e}") from e
+    parts = [text, version.encode(), " ".join(flags).encode(), platform.machine().encode()]
+    key = hashlib.sha256(b"\0".join(parts + [d.encode() for d in depends_on])).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, "-o", tmp, str(source), *libs], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ImportError(f"building {source.name} failed:\n{done.stderr.strip()}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
