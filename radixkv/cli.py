@@ -5,6 +5,7 @@
     radixkv demo                         hit-rate simulation of the built-in workloads
     radixkv sim TRACE.jsonl [options]    replay your own trace, sweep capacities, plot
     radixkv sim --workload mixed         the same on a built-in workload (rag, agent: the bench's programs)
+    radixkv sim ... --pool-bytes 1GiB,4GiB --kv-dtype fp32,int8   hit rate per KV format at fixed memory
 
 Defaults come from ``SimConfig``.
 """
@@ -48,6 +49,40 @@ def _ints(text: str) -> tuple[int, ...]:
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"page counts must be >= 1, got {text!r}")
     return values
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}  # fmt: skip
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """Comma-separated byte sizes: ``1GiB,4GiB``, ``512MiB``, ``2e9``, ``1G`` (decimal)."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        number = part.rstrip("BbKkMmGgTtIi")
+        unit = part[len(number) :].lower()
+        if unit.endswith("ib") or unit in ("kb", "mb", "gb", "tb"):
+            pass
+        elif unit.endswith("b"):
+            unit = unit[:-1]
+        try:
+            value = float(number) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise argparse.ArgumentTypeError(f"expected sizes like 1GiB,512MiB, got {part!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"sizes must be >= 1 byte, got {part!r}")
+        values.append(int(value))
+    return tuple(values)
+
+
+def _kv_dtypes(text: str) -> tuple[str, ...]:
+    from radixkv.cache.formats import kv_format
+
+    try:
+        return tuple(kv_format(name, "--kv-dtype").name for name in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -117,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="capacities as fractions of the trace's unique pages (default %(default)s)",
     )  # fmt: skip
     cap.add_argument("--capacity-pages", type=_ints, help="capacities in pages, e.g. 1000,4000")
+    cap.add_argument("--pool-bytes", type=_sizes,
+                     help="KV pool sizes in bytes, e.g. 1GiB,4GiB: pages per size follow from --kv-dtype and "
+                          "--model's shape (no Belady reference in this mode)")  # fmt: skip
+    sim.add_argument("--kv-dtype", type=_kv_dtypes, default=("fp32",),
+                     help="with --pool-bytes: comma-separated KV formats to compare, e.g. fp32,int8 (default fp32)")
+    sim.add_argument("--model", default=None,
+                     help="with --pool-bytes: the model whose KV shape sizes a page (default: the embedded model)")
     sim.add_argument(
         "--policy", type=_policies, default=d.policies,
         help=f"comma-separated eviction policies (default {','.join(d.policies)})",
@@ -151,12 +193,26 @@ def cmd_sim(args) -> int:
     if args.chunk_size < 0:
         print("radixkv sim: --chunk-size must be >= 0", file=sys.stderr)
         return 2
-    result = sim.sweep(
-        trace, args.page_size, args.policy, args.capacity, args.capacity_pages, args.in_flight, not args.no_belady,
-        chunk_size=args.chunk_size or None,
-    )  # fmt: skip
+    if args.pool_bytes:
+        per_page = _bytes_per_page(args.model, args.kv_dtype, args.page_size)
+        if isinstance(per_page, str):
+            print(f"radixkv sim: {per_page}", file=sys.stderr)
+            return 2
+        try:
+            result = sim.byte_sweep(trace, args.page_size, args.pool_bytes, per_page, args.policy, args.in_flight,
+                                    chunk_size=args.chunk_size or None)  # fmt: skip
+        except ValueError as e:
+            print(f"radixkv sim: {e}", file=sys.stderr)
+            return 2
+        table = sim.format_byte_table(result)
+    else:
+        result = sim.sweep(
+            trace, args.page_size, args.policy, args.capacity, args.capacity_pages, args.in_flight, not args.no_belady,
+            chunk_size=args.chunk_size or None,
+        )  # fmt: skip
+        table = sim.format_table(result)
     print(f"{title}: {len(trace)} requests, {result['unique_pages']} unique pages of {args.page_size} tokens")
-    print(sim.format_table(result))
+    print(table)
     if args.json:
         sim.write_json(result, args.json)
         print(f"wrote {args.json}")
@@ -164,6 +220,22 @@ def cmd_sim(args) -> int:
         sim.plot(result, args.plot, f"{title}, page size {args.page_size}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _bytes_per_page(model: str | None, formats: tuple[str, ...], page_size: int) -> dict[str, int] | str:
+    """Bytes of one page per KV format for ``model``'s KV shape; an error message when
+    the model cannot be read."""
+    from radixkv.cache.formats import kv_format
+    from radixkv.errors import ModelLoadError
+    from radixkv.model import resolve_model
+    from radixkv.model.loader import load_config
+
+    try:
+        config = load_config(resolve_model(model) if model else resolve_model())
+    except (ModelLoadError, ValueError, OSError) as e:
+        return f"--model: {e}"
+    shape = (config.num_layers, page_size, config.num_kv_heads, config.head_dim)
+    return {name: kv_format(name).bytes_per_page(*shape) for name in formats}
 
 
 def cmd_bench(args) -> int:

@@ -189,3 +189,46 @@ def test_cli_demo_runs(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"demo_{n}.{ext}" for n in ("branching", "few_shot", "multi_turn") for ext in ("json", "png")
     ]
+
+
+def test_byte_sweep_turns_bytes_into_pages_per_format():
+    trace = traces.synthetic("few_shot")
+    per_page = {"fp32": 1000, "int8": 266}
+    result = sim.byte_sweep(trace, 16, (20_000, 80_000), per_page, ("lru",), chunk_size=None)
+    runs = {(r["kv_dtype"], r["pool_bytes"]): r for r in result["runs"]}
+    assert {k: r["capacity_pages"] for k, r in runs.items()} == {
+        ("fp32", 20_000): 20, ("fp32", 80_000): 80, ("int8", 20_000): 75, ("int8", 80_000): 300}
+    for (fmt, size), r in runs.items():  # each equals the page-count replay of the same capacity
+        assert r["hit_tokens"] == sim.replay(trace, r["capacity_pages"], 16, "lru", chunk_size=None).hit_tokens
+    assert runs[("int8", 20_000)]["hit_rate"] > runs[("fp32", 20_000)]["hit_rate"]
+    with pytest.raises(ValueError, match="pool_bytes 500 holds no page of fp32"):
+        sim.byte_sweep(trace, 16, (500,), per_page)
+
+
+def test_cli_sim_at_fixed_memory_per_kv_format(tmp_path, capsys):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    assert main(["sim", "--workload", "few_shot", "--pool-bytes", "8MiB,32MiB", "--kv-dtype", "fp32,int8",
+                 "--policy", "lru", "--json", str(out_json), "--plot", str(out_png)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "8 MiB" in text and "32 MiB" in text and "int8" in text
+    runs = json.loads(out_json.read_text())["runs"]
+    # the embedded model's page of 16 tokens: 30 layers, 3 KV heads of 64, K and V
+    fp32 = 2 * 30 * 16 * 3 * 64 * 4
+    int8 = 2 * 30 * 16 * 3 * (64 + 4)
+    assert {(r["kv_dtype"], r["capacity_pages"]) for r in runs} == {
+        ("fp32", (8 << 20) // fp32), ("fp32", (32 << 20) // fp32), ("int8", (8 << 20) // int8), ("int8", (32 << 20) // int8)}
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main(["sim", "--workload", "few_shot", "--pool-bytes", "1GiB", "--kv-dtype", "int3"])
+    assert "--kv-dtype must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "--workload", "few_shot", "--pool-bytes", "lots"])
+    assert "expected sizes like 1GiB" in capsys.readouterr().err
+    assert main(["sim", "--workload", "few_shot", "--pool-bytes", "1KiB"]) == 2
+    assert "pool_bytes 1024 holds no page of fp32" in capsys.readouterr().err
+
+
+def test_pool_sizes_parse_binary_and_decimal_units():
+    from radixkv.cli import _sizes
+
+    assert _sizes("1GiB,512MiB,4KiB,2G,3MB,100,2e3,1.5kib") == (1 << 30, 512 << 20, 4 << 10, 2 * 10**9, 3 * 10**6, 100, 2000, 1536)

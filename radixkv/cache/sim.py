@@ -292,6 +292,64 @@ def sweep(
     return {"unique_pages": unique, "unlimited": unlimited.as_dict(), "runs": runs}
 
 
+def byte_sweep(
+    trace: list[TraceRequest],
+    page_size: int,
+    pool_bytes: tuple[int, ...],
+    bytes_per_page: dict[str, int],
+    policies: tuple[str, ...] = ("lru",),
+    in_flight: int = 1,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+) -> dict:
+    """Replay every policy at every pool size in bytes for every KV format
+    (``bytes_per_page``: format name -> bytes of one page of it, all layers, K and V,
+    quantization parameters included; ``KVFormat.bytes_per_page``): a format with fewer
+    bytes per page fits more pages in the same memory. Returns ``unique_pages``,
+    ``unlimited`` and ``runs`` (as ``sweep``; each run adds ``kv_dtype``, ``pool_bytes``
+    and ``bytes_per_page``). A pool too small for one page is a ValueError naming it.
+    """
+    unlimited = replay(trace, None, page_size, "lru", in_flight, chunk_size)
+    unique = unlimited.cached_pages
+    runs = []
+    for fmt, per_page in bytes_per_page.items():
+        for size in pool_bytes:
+            pages = size // per_page
+            if pages < 1:
+                raise ValueError(f"pool_bytes {size} holds no page of {fmt} ({per_page} bytes per page)")
+            for name in policies:
+                result = replay(trace, pages, page_size, name, in_flight, chunk_size)
+                runs.append({**result.as_dict(), "capacity_fraction": pages / unique if unique else 0.0,
+                             "kv_dtype": fmt, "pool_bytes": size, "bytes_per_page": per_page})  # fmt: skip
+    return {"unique_pages": unique, "unlimited": unlimited.as_dict(), "runs": runs}
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes as the largest binary unit that keeps it >= 1 (``4 GiB``, ``512 MiB``)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            value = n / (1 << shift)
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_byte_table(result: dict) -> str:
+    """Hit rate per (format, policy) (rows) and pool size (columns): percent, with the
+    pages that size holds in that format."""
+    runs = result["runs"]
+    sizes = sorted({r["pool_bytes"] for r in runs})
+    head = ["kv", "bytes/page", "policy"] + [format_bytes(b) for b in sizes]
+    rows = [head]
+    for fmt, name in dict.fromkeys((r["kv_dtype"], r["policy"]) for r in runs):
+        by_size = {r["pool_bytes"]: r for r in runs if r["kv_dtype"] == fmt and r["policy"] == name}
+        cells = [f"{100 * by_size[b]['hit_rate']:.2f} ({by_size[b]['capacity_pages']} p)" for b in sizes]
+        rows.append([fmt, str(by_size[sizes[0]]["bytes_per_page"]), name] + cells)
+    rows.append(["unlimited", "", ""] + [f"{100 * result['unlimited']['hit_rate']:.2f}"] * len(sizes))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
     """Hit rate per policy (rows) and capacity (columns), in percent."""
     runs = result["runs"]
@@ -318,12 +376,17 @@ def plot(result: dict, path: str | Path, title: str = "") -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = result["runs"]
-    for name in dict.fromkeys(r["policy"] for r in runs):
-        pts = sorted((r["capacity_fraction"], 100 * r["hit_rate"]) for r in runs if r["policy"] == name)
-        style = "--" if name == "belady" else "-"
-        ax.plot(*zip(*pts), style, marker="o", label=name)
+    by_bytes = "kv_dtype" in runs[0] if runs else False  # a byte_sweep: x is the pool size, a line per format
+    markers = "osD^vP*X"
+    lines = dict.fromkeys((r.get("kv_dtype"), r["policy"]) for r in runs)
+    for i, (fmt, name) in enumerate(lines):
+        mine = [r for r in runs if r.get("kv_dtype") == fmt and r["policy"] == name]
+        x = "pool_bytes" if by_bytes else "capacity_fraction"
+        pts = sorted((r[x] / (1 << 30) if by_bytes else r[x], 100 * r["hit_rate"]) for r in mine)
+        style = "--" if name == "belady" else ("-", "-.", ":")[i // len(markers) % 3]
+        ax.plot(*zip(*pts), style, marker=markers[i % len(markers)], label=f"{fmt} {name}" if by_bytes else name)
     ax.axhline(100 * result["unlimited"]["hit_rate"], color="gray", linestyle=":", label="unlimited")
-    ax.set_xlabel("cache capacity (fraction of unique pages)")
+    ax.set_xlabel("KV pool (GiB)" if by_bytes else "cache capacity (fraction of unique pages)")
     ax.set_ylabel("prefix hit rate (%)")
     ax.set_title(title or "hit rate vs capacity")
     ax.grid(alpha=0.3)

@@ -129,6 +129,18 @@ def _check_complete(sd: dict, config: ModelConfig, path) -> None:
         raise ModelLoadError(f"{path}: missing tensors, e.g. {missing[:3]} ({len(missing)} in all)")
 
 
+def load_config(source: ModelSource) -> ModelConfig:
+    """The model's config alone (GGUF metadata or ``config.json``), no tensors read:
+    what sizing the KV pool needs (``radixkv sim --pool-bytes``)."""
+    if source.format == "gguf":
+        names = {t.name for t in open_gguf(str(source.path)).tensors}
+        return ModelConfig.from_gguf(metadata(source.path), tie_word_embeddings="output.weight" not in names)
+    try:
+        return ModelConfig.from_hf(json.loads((Path(source.path) / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"{source.path}/config.json is missing or incomplete: {e}") from None
+
+
 def load_state_dict(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if source.format == "gguf":
         return load_gguf_state_dict(source.path)
