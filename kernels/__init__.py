@@ -47,8 +47,9 @@ def _flashinfer() -> AttentionBackend:
 
 
 def _quantized(dtype) -> bool:
-    """Whether a KV dtype is a quantized format's (integer codes, not floats)."""
-    return dtype is not None and not dtype.is_floating_point
+    """Whether a KV dtype is a quantized format's: integer codes, or 8-bit floats
+    (stored divided by per-head scales)."""
+    return dtype is not None and (not dtype.is_floating_point or dtype.itemsize == 1)
 
 
 def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:

@@ -32,8 +32,8 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def stored_as(t: torch.Tensor, kv) -> torch.Tensor:
-    """``t`` (new tokens' K or V) as the pool stored it and a backend reads it back, in
-    ``t.dtype``: itself when the format keeps its dtype, else rounded (quantized and
-    dequantized) by the format."""
-    return kv.format.round_trip(t)
+def stored_as(t: torch.Tensor, kv, part: str) -> torch.Tensor:
+    """``t`` (new tokens' K, ``part="k"``, or V) as the pool stored it and a backend
+    reads it back, in ``t.dtype``: itself when the format keeps its dtype, else rounded
+    (quantized and dequantized) by the format."""
+    return kv.stored(t, part)

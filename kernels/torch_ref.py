@@ -48,7 +48,7 @@ class TorchBackend(AttentionBackend):
                 self._pad_decode()
             return self._decode(q, kv, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
-        self.attend_sequences(q, stored_as(k, kv), stored_as(v, kv), kv, scale, sliding_window, logit_softcap, out)
+        self.attend_sequences(q, stored_as(k, kv, "k"), stored_as(v, kv, "v"), kv, scale, sliding_window, logit_softcap, out)
         return out
 
     def attend_sequences(self, q, k, v, kv, scale, sliding_window, logit_softcap, out,

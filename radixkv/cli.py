@@ -1,4 +1,4 @@
-"""Command line: ``radixkv serve | bench | demo | sim``.
+"""Command line: ``radixkv serve | bench | demo | sim | kv-scales``.
 
     radixkv serve [--model M --port P ...]  the HTTP runtime (``radixkv serve --help``)
     radixkv bench [--scale small]           end-to-end workloads vs peers (source checkout)
@@ -6,6 +6,7 @@
     radixkv sim TRACE.jsonl [options]    replay your own trace, sweep capacities, plot
     radixkv sim --workload mixed         the same on a built-in workload (rag, agent: the bench's programs)
     radixkv sim ... --pool-bytes 1GiB,4GiB --kv-dtype fp32,int8   hit rate per KV format at fixed memory
+    radixkv kv-scales --text FILE --out scales.json     fp8 KV scales measured on your text
 
 Defaults come from ``SimConfig``.
 """
@@ -171,7 +172,35 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", help="write a PNG of hit rate vs capacity here")
     sim.add_argument("--json", help="write the full results as JSON here")
     sim.add_argument("--export-trace", help="write the (built-in) trace as JSONL here")
+
+    scales = sub.add_parser("kv-scales", help="measure fp8 KV scales on a text file and write the scale file")
+    scales.add_argument("--text", required=True, help="text to prefill (natural text like your prompts; UTF-8)")
+    scales.add_argument("--out", required=True, help="where the JSON scale file goes (give it to serve --kv-scales)")
+    scales.add_argument("--model", default=None, help="registry name, GGUF file or HF directory (default: embedded)")
+    scales.add_argument("--kv-dtype", default="fp8_e4m3", choices=("fp8_e4m3", "fp8_e5m2"),
+                        help="the fp8 format the scales are for (default fp8_e4m3)")  # fmt: skip
+    scales.add_argument("--tokens", type=_positive, default=4096, help="use at most this many tokens (default 4096)")
+    scales.add_argument("--headroom", type=float, default=1.0,
+                        help="largest value seen maps to fp8's max / headroom (default 1.0: no margin)")  # fmt: skip
     return parser
+
+
+def cmd_kv_scales(args) -> int:
+    import json
+
+    from radixkv.model import resolve_model
+    from radixkv.model.kv_scales import calibrate
+    from radixkv.model.loader import load_model
+    from radixkv.model.tokenizer import Tokenizer
+
+    text = Path(args.text).read_text(encoding="utf-8")
+    source = resolve_model(args.model) if args.model else resolve_model()
+    ids = Tokenizer.load(source).encode(text, add_special_tokens=False)[: args.tokens]
+    result = calibrate(load_model(source.path), ids, args.kv_dtype, args.headroom)
+    Path(args.out).write_text(json.dumps(result) + "\n")
+    k, v = (max(max(row) for row in result[key]) for key in ("k_scale", "v_scale"))
+    print(f"wrote {args.out}: {args.kv_dtype} scales from {result['tokens']} tokens (largest K {k:.4g}, V {v:.4g})")
+    return 0
 
 
 def cmd_sim(args) -> int:
@@ -338,7 +367,8 @@ def demo_chat() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
+        commands = {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench, "kv-scales": cmd_kv_scales}
+        return commands[args.command](args)
     except (ValueError, OSError) as e:
         print(f"radixkv {args.command}: error: {e}", file=sys.stderr)
         return 2

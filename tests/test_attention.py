@@ -211,15 +211,30 @@ def test_batch_metadata_follows_the_csr_convention():
 
 
 def int8_case(seed, lens, prefixes, page_size, hq, hkv, dim=16):
-    """A ragged batch whose K/V went through an int8 ``KVPool`` (``store_kv``), over
-    shuffled pages whose unwritten slots hold NaN quantization parameters. The dense K/V are what the
-    pool holds, dequantized (``read_kv``); also returns the K/V before quantizing."""
+    """``quantized_case`` for int8."""
+    return quantized_case(seed, lens, prefixes, page_size, hq, hkv, dim, "int8")
+
+
+def quantized_case(seed, lens, prefixes, page_size, hq, hkv, dim=16, kv_dtype="int8"):
+    """A ragged batch whose K/V went through a ``KVPool`` of ``kv_dtype`` (``store_kv``;
+    fp8 with random per-head scales), over shuffled pages whose unwritten slots are
+    NaN (int8: its quantization parameters; fp8: the elements). The dense K/V are what
+    the pool holds, dequantized (``read_kv``); also returns the K/V before quantizing."""
     from radixkv.cache import KVPool, PoolConfig
+    from radixkv.cache.formats import KVScales
 
     g = torch.Generator().manual_seed(seed)
-    pool = KVPool(PoolConfig(1, hkv, dim, page_size, kv_dtype="int8", num_pages=4096))
-    for t in (pool.k_params[0], pool.v_params[0]):
-        t.fill_(float("nan"))  # poisoned: a slot read but never written shows up
+    scales = None
+    if kv_dtype.startswith("fp8"):
+        k_s, v_s = torch.rand(2, 1, hkv, generator=g) * 0.05 + 0.03  # K reaches ~13, V ~4.5: within 448 * 0.03
+        scales = KVScales(k_s, v_s, "test")
+    pool = KVPool(PoolConfig(1, hkv, dim, page_size, kv_dtype=kv_dtype, num_pages=4096, kv_scales=scales))
+    if scales is None:
+        for t in (pool.k_params[0], pool.v_params[0]):
+            t.fill_(float("nan"))  # poisoned: a slot read but never written shows up
+    else:
+        for t in (pool.k[0], pool.v[0]):
+            t.view(torch.uint8).fill_(0x7F)  # NaN in both fp8 formats
     seqs, dense_k, dense_v, exact_k, exact_v, new_k, new_v = [], [], [], [], [], [], []
     for n, p in zip(lens, prefixes):
         total = n + p
@@ -251,6 +266,22 @@ def test_int8_kv_matches_dequantize_then_attend(backend, lens, prefixes, page_si
     for n, kd, vd in zip(lens, exact_k, exact_v):
         exact = dense_reference(q[start : start + n], kd, vd, n, 0.25)
         assert (out[start : start + n].double() - exact).abs().max() < 0.1  # unit-variance V, peaked scores
+        start += n
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_kv_matches_dequantize_then_attend(kv_dtype, backend, page_size):
+    """fp8 pages (x / a fixed scale per KV head) read by the backends that read them:
+    equal to dense attention over the dequantized cache, and near the unquantized K/V."""
+    lens, prefixes = CASES[-1]
+    case, exact_k, exact_v = quantized_case(13, lens, prefixes, page_size, 6, 2, 16, kv_dtype)
+    out = check_against_dense(get_backend(available(backend)), case, lens, scale=0.25, tol=2e-5)
+    start, q = 0, case[1]
+    for n, kd, vd in zip(lens, exact_k, exact_v):
+        exact = dense_reference(q[start : start + n], kd, vd, n, 0.25)
+        assert (out[start : start + n].double() - exact).abs().max() < 0.5  # 3-bit (e4m3) / 2-bit (e5m2) mantissas
         start += n
 
 

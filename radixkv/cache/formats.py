@@ -21,8 +21,17 @@ absmax scale (1.74e-3 -> 1.04e-3 on 512 tokens of text) for 2 more bytes per row
 
 A page's bytes depend only on its own tokens, so equal prefixes give equal pages.
 
+``fp8_e4m3`` and ``fp8_e5m2`` store ``x / scale`` as an 8-bit float, with one fixed
+scale per (layer, KV head) for K and one for V from a scale file (``KVScales``,
+``load_kv_scales``); nothing is calibrated on the fly, and without a file nothing runs
+unless told ``unity`` (every scale 1; e4m3 saturates beyond +-448).
+
+A format's ``identity`` (name, scheme, scale file digest) is what a stored page's bytes
+depend on besides the model and the tokens: pages of two identities never serve each
+other.
+
 Names and aliases: ``fp32``/``float32``, ``bf16``/``bfloat16``, ``fp16``/``float16``,
-``int8``; ``auto`` (in ``EngineConfig.kv_dtype`` and ``--kv-dtype``) means the weights'
+``int8``, ``fp8_e4m3``, ``fp8_e5m2``; ``auto`` (in ``EngineConfig.kv_dtype`` and ``--kv-dtype``) means the weights'
 dtype.
 """
 
@@ -41,28 +50,50 @@ class KVFormat:
     """A storage format for K/V pages. ``dtype``: the element type of the page tensors;
     ``scale_dtype``: with a quantized format, the type of its per-(token, KV head)
     parameters, a (scale, offset) pair (None: elements are stored as they are);
-    ``levels``: how many codes a quantized element has (256 for int8)."""
+    ``levels``: how many codes a quantized element has (256 for int8);
+    ``head_scaled``: elements are stored divided by a fixed scale per (layer, KV head)
+    that comes from a scale file (``KVScales``; the fp8 formats); ``scheme``: what,
+    besides the name, the stored bytes depend on (part of ``identity``)."""
 
     name: str
     dtype: torch.dtype
     scale_dtype: torch.dtype | None = None
     levels: int = 0
+    head_scaled: bool = False
+    scheme: str = ""
 
     @property
     def quantized(self) -> bool:
-        return self.scale_dtype is not None
+        """Whether elements are codes read back through parameters (per row, or per
+        head from a scale file): what only some backends read."""
+        return self.scale_dtype is not None or self.head_scaled
+
+    def identity(self, scales: KVScales | None = None) -> str:
+        """What a stored page's bytes depend on besides its tokens and the model: the
+        format, its scheme and, for a head-scaled format, the scale file's digest. Pages
+        of different identities never serve each other (the key of every cache tier)."""
+        parts = [self.name] + ([self.scheme] if self.scheme else [])
+        if self.head_scaled:
+            parts.append(f"scales={scales.digest if scales is not None else 'missing'}")
+        return "/".join(parts)
 
     def bytes_per_page(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int) -> int:
-        """K and V of one page across all layers, quantization parameters included."""
-        per_head = head_dim * _size(self.dtype) + (2 * _size(self.scale_dtype) if self.quantized else 0)
+        """K and V of one page across all layers, per-row quantization parameters
+        included (a head-scaled format's per-layer scales are not per page)."""
+        per_head = head_dim * _size(self.dtype) + (2 * _size(self.scale_dtype) if self.scale_dtype else 0)
         return 2 * num_layers * page_size * num_kv_heads * per_head
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` (``[..., D]``, any float dtype) as stored: the elements in ``dtype`` and,
-        for a quantized format, per row its (scale, offset) (``[..., 2]`` in
-        ``scale_dtype``; else None). Rounds to nearest; scale and offset are rounded to
-        ``scale_dtype`` first and the codes taken against the rounded values, so
-        ``dequantize`` reads back exactly what this meant."""
+    def quantize(self, x: torch.Tensor, head_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` (``[..., H, D]``, any float dtype) as stored: the elements in ``dtype``
+        and, for a format with per-row parameters, per row its (scale, offset)
+        (``[..., H, 2]`` in ``scale_dtype``; else None). Rounds to nearest; scale and
+        offset are rounded to ``scale_dtype`` first and the codes taken against the
+        rounded values, so ``dequantize`` reads back exactly what this meant. A
+        head-scaled format divides by ``head_scale`` (``[H]`` float32) and saturates at
+        its largest finite value."""
+        if self.head_scaled:
+            top = torch.finfo(self.dtype).max
+            return (x.float() / head_scale[:, None]).clamp_(-top, top).to(self.dtype), None
         if not self.quantized:
             return x.to(self.dtype), None
         xf = x.float()
@@ -72,18 +103,23 @@ class KVFormat:
         q = torch.round((xf - offset[..., None]) / scale[..., None]).clamp_(0, self.levels - 1).sub_(half)
         return q.to(self.dtype), torch.stack((scale, offset), -1).to(self.scale_dtype)
 
-    def dequantize(self, q: torch.Tensor, params: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Stored elements (and their rows' (scale, offset)) back to ``dtype``."""
+    def dequantize(self, q: torch.Tensor, params: torch.Tensor | None, dtype: torch.dtype,
+                   head_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Stored elements (and their rows' (scale, offset), or their heads' scales)
+        back to ``dtype``."""
+        if self.head_scaled:
+            return (q.float() * head_scale[:, None]).to(dtype)
         if params is None:
             return q.to(dtype)
         p = params.float()
         return ((q.float() + self.levels // 2) * p[..., 0, None] + p[..., 1, None]).to(dtype)
 
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+    def round_trip(self, x: torch.Tensor, head_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` as a backend reads it back after the pool stored it, in ``x.dtype``."""
         if not self.quantized and x.dtype == self.dtype:
             return x
-        return self.dequantize(*self.quantize(x), x.dtype)
+        q, params = self.quantize(x, head_scale)
+        return self.dequantize(q, params, x.dtype, head_scale)
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -94,7 +130,9 @@ FORMATS: dict[str, KVFormat] = {
     "fp32": KVFormat("fp32", torch.float32),
     "bf16": KVFormat("bf16", torch.bfloat16),
     "fp16": KVFormat("fp16", torch.float16),
-    "int8": KVFormat("int8", torch.int8, scale_dtype=torch.float16, levels=256),
+    "int8": KVFormat("int8", torch.int8, scale_dtype=torch.float16, levels=256, scheme="row-minmax-fp16"),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, head_scaled=True),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, head_scaled=True),
 }
 ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _BY_DTYPE = {f.dtype: f for f in FORMATS.values() if not f.quantized}
@@ -114,19 +152,84 @@ def kv_format(spec: str | torch.dtype | KVFormat, field: str = "kv_dtype") -> KV
     raise ValueError(f"{field} must be one of {names}, got {spec!r}")
 
 
+@dataclass(frozen=True, eq=False)
+class KVScales:
+    """Fixed per-(layer, KV head) scales of a head-scaled format (fp8): ``k`` and ``v``
+    are ``[num_layers, num_kv_heads]`` float32, all positive and finite; an element is
+    stored as ``x / scale``. ``digest`` names where they came from (``unity``, or the
+    scale file's sha256), for the cache identity. Built by ``load_kv_scales``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    digest: str
+
+
+UNITY = "unity"
+
+
+def load_kv_scales(spec: str, num_layers: int, num_kv_heads: int, kv_dtype: str | None = None,
+                   field: str = "kv_scales") -> KVScales:  # fmt: skip
+    """Scales from ``spec``: ``"unity"`` (every scale 1: values beyond the format's
+    range saturate) or a JSON file ``{"k_scale": [...], "v_scale": [...]}`` with one
+    entry per layer, each a number (every KV head) or a list of ``num_kv_heads``
+    numbers, and optionally ``"format"``, which must then be ``kv_dtype`` (scales made
+    for e5m2's range would saturate e4m3). Raises ValueError naming ``field``, the
+    file and what is wrong."""
+    import hashlib
+    import json
+    import math
+    from pathlib import Path
+
+    if spec == UNITY:
+        ones = torch.ones(num_layers, num_kv_heads)
+        return KVScales(ones, ones.clone(), UNITY)
+    try:
+        raw = Path(spec).read_bytes()
+        data = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{field}: cannot read scale file {spec!r}: {e}") from None
+    made_for = data.get("format") if isinstance(data, dict) else None
+    if made_for is not None and kv_dtype is not None and made_for != kv_dtype:
+        raise ValueError(f"{field}: {spec!r} holds scales for {made_for}, not kv_dtype {kv_dtype}")
+    tensors = []
+    for key in ("k_scale", "v_scale"):
+        rows = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(rows, list) or len(rows) != num_layers:
+            raise ValueError(f"{field}: {spec!r} needs {key!r}: a list of {num_layers} entries (one per layer)")
+        table = []
+        for i, row in enumerate(rows):
+            row = [row] * num_kv_heads if isinstance(row, (int, float)) and not isinstance(row, bool) else row
+            if not isinstance(row, list) or len(row) != num_kv_heads:
+                raise ValueError(f"{field}: {spec!r} {key}[{i}] must be a number or {num_kv_heads} numbers")
+            for x in row:
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
+                    raise ValueError(f"{field}: {spec!r} {key}[{i}] must hold finite numbers > 0, got {x!r}")
+            table.append([float(x) for x in row])
+        tensors.append(torch.tensor(table, dtype=torch.float32))
+    return KVScales(*tensors, "sha256:" + hashlib.sha256(raw).hexdigest()[:16])
+
+
 @dataclass(frozen=True)
 class KVView:
     """One layer's KV as a backend reads it: ``k`` and ``v`` are
     ``[num_pages, page_size, num_kv_heads, head_dim]`` in ``format.dtype``; for a
-    quantized format ``k_params`` and ``v_params`` are ``[num_pages, page_size,
-    num_kv_heads, 2]`` (scale, offset) in ``format.scale_dtype`` (same page ids), else
-    None."""
+    format with per-row parameters ``k_params`` and ``v_params`` are ``[num_pages,
+    page_size, num_kv_heads, 2]`` (scale, offset) in ``format.scale_dtype`` (same page
+    ids), else None; for a head-scaled format ``k_scale`` and ``v_scale`` are this
+    layer's ``[num_kv_heads]`` float32 scales, else None."""
 
     k: torch.Tensor
     v: torch.Tensor
     format: KVFormat
     k_params: torch.Tensor | None = None
     v_params: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def stored(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        """New tokens' K (``part="k"``) or V as this layer stores them and reads them
+        back, in ``x.dtype``."""
+        return self.format.round_trip(x, self.k_scale if part == "k" else self.v_scale)
 
     @property
     def page_size(self) -> int:
@@ -138,6 +241,8 @@ class KVView:
         heads, dim = self.k.shape[2], self.k.shape[3]
         k = self.k.view(-1, heads, dim).index_select(0, slots)
         v = self.v.view(-1, heads, dim).index_select(0, slots)
+        if self.format.head_scaled:
+            return self.format.dequantize(k, None, dtype, self.k_scale), self.format.dequantize(v, None, dtype, self.v_scale)
         if self.k_params is None:
             return k.to(dtype), v.to(dtype)
         kp = self.k_params.view(-1, heads, 2).index_select(0, slots)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixkv.cache.formats import KVFormat, KVView, kv_format
+from radixkv.cache.formats import KVFormat, KVScales, KVView, kv_format
 from radixkv.errors import IntegrityError, OutOfPagesError
 from radixkv.kernels import pages as page_loops
 
@@ -241,6 +241,7 @@ class PoolConfig:
     device: str = "cpu"
     num_pages: int | None = None
     memory_bytes: int | None = None
+    kv_scales: KVScales | None = None  # a head-scaled format's (fp8) per-(layer, KV head) scales
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
@@ -248,6 +249,14 @@ class PoolConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         object.__setattr__(self, "kv_dtype", kv_format(self.kv_dtype))
+        fmt, scales = self.kv_dtype, self.kv_scales
+        if fmt.head_scaled and scales is None:
+            raise ValueError(f"kv_dtype {fmt.name} needs kv_scales: a scale file, or 'unity'")
+        if not fmt.head_scaled and scales is not None:
+            raise ValueError(f"kv_scales applies to the fp8 formats only, not kv_dtype {fmt.name}")
+        if scales is not None and (scales.k.shape != (self.num_layers, self.num_kv_heads) or scales.v.shape != scales.k.shape):
+            raise ValueError(f"kv_scales must be [num_layers, num_kv_heads] = [{self.num_layers}, {self.num_kv_heads}], "
+                             f"got {list(scales.k.shape)} and {list(scales.v.shape)}")  # fmt: skip
         if (self.num_pages is None) == (self.memory_bytes is None):
             raise ValueError("give exactly one of num_pages and memory_bytes")
         if self.memory_bytes is not None and self.memory_bytes < self.bytes_per_page:
@@ -259,6 +268,11 @@ class PoolConfig:
     @property
     def format(self) -> KVFormat:
         return self.kv_dtype  # normalised to a KVFormat by __post_init__
+
+    @property
+    def kv_identity(self) -> str:
+        """The KV format's identity with these scales (``KVFormat.identity``)."""
+        return self.format.identity(self.kv_scales)
 
     @property
     def bytes_per_page(self) -> int:
@@ -289,16 +303,23 @@ class KVPool(PageAllocator):
         layers, device = range(config.num_layers), config.device
         self.k = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
         self.v = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
+        self.identity = config.kv_identity
         self.k_params = self.v_params = None
-        if fmt.quantized:  # (scale, offset) per (slot, KV head), beside the pages
+        if fmt.scale_dtype is not None:  # (scale, offset) per (slot, KV head), beside the pages
             params = (*shape[:3], 2)
             self.k_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
             self.v_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
         rows = (-1, config.num_kv_heads, config.head_dim)
-        self._k_rows = [t.view(rows) for t in self.k]
-        self._v_rows = [t.view(rows) for t in self.v]
+        # index_copy_ has no CPU kernel for 8-bit floats: write their bytes
+        as_rows = (lambda t: t.view(rows).view(torch.uint8)) if fmt.head_scaled else (lambda t: t.view(rows))
+        self._k_rows = [as_rows(t) for t in self.k]
+        self._v_rows = [as_rows(t) for t in self.v]
+        scales = config.kv_scales
         self._views = [
-            KVView(self.k[i], self.v[i], fmt, *((self.k_params[i], self.v_params[i]) if fmt.quantized else ()))
+            KVView(self.k[i], self.v[i], fmt,
+                   self.k_params[i] if self.k_params else None, self.v_params[i] if self.v_params else None,
+                   scales.k[i].to(device) if scales is not None else None,
+                   scales.v[i].to(device) if scales is not None else None)  # fmt: skip
             for i in layers
         ]
 
@@ -307,8 +328,11 @@ class KVPool(PageAllocator):
         into layer ``layer`` at ``slots`` (``[T]`` int64 on the pool's device),
         converting to the pool's format (quantizing, with the parameters beside). Mutates
         that layer's pages only."""
-        kq, kp = self.format.quantize(k)
-        vq, vp = self.format.quantize(v)
+        view = self._views[layer]
+        kq, kp = self.format.quantize(k, view.k_scale)
+        vq, vp = self.format.quantize(v, view.v_scale)
+        if self.format.head_scaled:
+            kq, vq = kq.view(torch.uint8), vq.view(torch.uint8)
         self._k_rows[layer].index_copy_(0, slots, kq)
         self._v_rows[layer].index_copy_(0, slots, vq)
         if kp is not None:

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
 from radixkv.cache.radix import RadixCache
@@ -58,6 +59,8 @@ class EngineLoop:
         mc = self.model.config
         pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                         page_size=cfg.page_size, kv_dtype=cfg.kv_format, device=cfg.device)  # fmt: skip
+        if cfg.kv_scales is not None:  # read once, here: nothing ever computes or rewrites them
+            pool_cfg["kv_scales"] = load_kv_scales(cfg.kv_scales, mc.num_layers, mc.num_kv_heads, cfg.kv_format.name)
         if cfg.kv_cache_tokens is not None:
             pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
         else:
