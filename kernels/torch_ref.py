@@ -43,6 +43,10 @@ class TorchBackend(AttentionBackend):
         self.pad_len = torch.tensor(self.seq_lens, device=device)[:, None]
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
+        if kv.format.paged:
+            out = torch.empty_like(q)
+            self.attend_paged(q, k, v, kv, scale, sliding_window, logit_softcap, out)
+            return out
         if self.decode:
             if self.pad_slots is None:
                 self._pad_decode()
@@ -83,6 +87,40 @@ class TorchBackend(AttentionBackend):
                     oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
                 else:
                     oi = _attend(qi, ki, vi, mask, scale, logit_softcap)
+            out[start : start + n] = oi[0].transpose(0, 1)
+            start += n
+
+    def attend_paged(self, q, k, v, kv, scale, sliding_window, logit_softcap, out,
+                     skip: frozenset[int] = frozenset()) -> None:  # fmt: skip
+        """Attention over a paged format (quantized on seal; see radixkv.cache.sealing):
+        a query at position p reads the pages before its own page as sealed
+        (``kv.gather``) and its own page's tokens up to itself in full precision
+        (``kv.gather_own``, this call's K/V for the new tokens):
+
+            keys   |== sealed pages (dequantized) ==|== own page, full precision ==|
+            query p                                  ^ page start       p ^
+        """
+        ps, start = kv.page_size, 0
+        for i, (n, total, slots) in enumerate(zip(self.qo_lens, self.seq_lens, self.kv_slots)):
+            if i in skip:
+                start += n
+                continue
+            k_sealed, v_sealed = kv.gather(slots, q.dtype)
+            k_own, v_own = kv.gather_own(slots, q.dtype)
+            k_own[total - n :], v_own[total - n :] = k[start : start + n], v[start : start + n]
+            q_pos = torch.arange(total - n, total, device=q.device)[:, None]
+            kv_pos = torch.arange(total, device=q.device)[None, :]
+            own_start = q_pos // ps * ps
+            visible = kv_pos <= q_pos
+            if sliding_window is not None:
+                visible &= kv_pos > q_pos - sliding_window
+            mask = torch.cat([visible & (kv_pos < own_start), visible & (kv_pos >= own_start)], 1)
+            ki, vi = torch.cat([k_sealed, k_own]), torch.cat([v_sealed, v_own])
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[start : start + n], ki, vi))
+            if logit_softcap is None:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            else:
+                oi = _attend(qi, ki, vi, mask, scale, logit_softcap)
             out[start : start + n] = oi[0].transpose(0, 1)
             start += n
 

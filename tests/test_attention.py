@@ -295,3 +295,98 @@ def test_int8_pages_cost_a_quarter_and_gpu_kernels_refuse_them():
     with pytest.raises(ValueError, match="attention_backend 'triton' cannot read torch.int8 KV"):
         get_backend(available("triton"), dtype=torch.int8)
     assert get_backend("auto", "cuda", torch.int8, torch.float32).name == "torch"
+
+
+# -- int4: quantized on seal (radixkv.cache.sealing) -------------------------------------------
+
+
+def int4_case(seed, lens, prefixes, page_size, hq, hkv, dim=16):
+    """A ragged batch over an int4 pool as the engine leaves it before attention: each
+    sequence's prefix stored by an earlier write (its full pages sealed, its partial
+    last page staged), then the new tokens by this forward's write."""
+    from radixkv.cache import KVPool, PoolConfig
+
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(PoolConfig(1, hkv, dim, page_size, kv_dtype="int4", num_pages=4096))
+    seqs, exact_k, exact_v, tables = [], [], [], []
+    for n, p in zip(lens, prefixes):
+        total = n + p
+        count = -(-total // page_size) + 2
+        pages = pool.alloc(count)[torch.randperm(count, generator=g).numpy()]
+        kd, vd = torch.randn(total, hkv, dim, generator=g) * 3, torch.randn(total, hkv, dim, generator=g)
+        if p:
+            pool.store_kv(0, kd[:p], vd[:p], pool.slots(pages, 0, p))
+        seqs.append(SeqInput(list(range(n)), p, pages))
+        exact_k.append(kd), exact_v.append(vd), tables.append(pages)
+    batch = ForwardBatch.build(seqs, page_size, "cpu")
+    k_new = torch.cat([kd[p:] for kd, p in zip(exact_k, prefixes)])
+    v_new = torch.cat([vd[p:] for vd, p in zip(exact_v, prefixes)])
+    pool.store_kv(0, k_new, v_new, batch.out_slots)
+    q = torch.randn(batch.num_tokens, hq, dim, generator=g)
+    return pool, batch, q, k_new, v_new, exact_k, exact_v, tables
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("lens, prefixes", CASES + [([1, 3, 20], [15, 14, 31])])  # decodes and chunks that fill pages
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_int4_reads_earlier_pages_sealed_and_its_own_page_in_full(backend, lens, prefixes, page_size):
+    """A query reads the pages before its own page as sealed (int4, dequantized) and its
+    own page's tokens up to itself exactly as computed, whether they came in this
+    forward or were staged by an earlier one."""
+    pool, batch, q, k_new, v_new, exact_k, exact_v, tables = int4_case(5, lens, prefixes, page_size, 6, 2)
+    impl = get_backend(available(backend))
+    impl.plan(batch)
+    out = impl.forward(q, k_new, v_new, pool.view(0), 0.25)
+    start = 0
+    for n, p, kd, vd, pages in zip(lens, prefixes, exact_k, exact_v, tables):
+        total = n + p
+        k_read, v_read = pool.read_kv(0, pool.slots(pages, 0, total))  # sealed pages dequantized
+        for j in range(n):
+            pos = p + j
+            own = pos // page_size * page_size
+            k_ref = torch.cat([k_read[:own], kd[own : pos + 1]])
+            v_ref = torch.cat([v_read[:own], vd[own : pos + 1]])
+            ref = dense_reference(q[start + j : start + j + 1], k_ref, v_ref, 1, 0.25)
+            assert (out[start + j].double() - ref[0]).abs().max() < 2e-5
+        full = total // page_size * page_size  # every whole page is sealed: within 4-bit error of the truth
+        assert full == 0 or (k_read[:full] - kd[:full]).abs().max() < 3 * 6 / 15
+        assert torch.equal(k_read[full:], kd[full:])
+        start += n
+    pool.check_integrity()
+
+
+def test_int4_page_bytes_depend_only_on_its_tokens_and_staging_is_returned():
+    """Quantize on seal: a page written in one pass, token by token, or in uneven chunks
+    holds the same bytes; partial pages hold a staging slot until they fill (and one
+    forward more) or go free."""
+    from radixkv.cache import KVPool, PoolConfig
+
+    g = torch.Generator().manual_seed(3)
+    pool = KVPool(PoolConfig(2, 2, 8, 4, kv_dtype="int4", num_pages=64))
+    k, v = torch.randn(11, 2, 8, generator=g), torch.randn(11, 2, 8, generator=g)
+
+    def write(cuts):
+        pages = pool.alloc(3)
+        for a, b in zip(cuts, cuts[1:]):
+            for layer in (0, 1):
+                pool.store_kv(layer, k[a:b], v[a:b], pool.slots(pages, a, b))
+        return pages
+
+    tables = [write([0, 11]), write(list(range(12))), write([0, 3, 5, 9, 11])]
+    stored = [[t[layer][pages[:2]] for t in (pool.k, pool.k_params, pool.v, pool.v_params) for layer in (0, 1)]
+              for pages in tables]  # fmt: skip
+    for other in stored[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(stored[0], other))
+    assert pool.sealer.staged_pages() == 3  # each table's partial third page
+    for pages in tables:
+        pool.free(pages)
+    assert pool.sealer.staged_pages() == 0
+    pool.check_integrity()
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, num_pages=1)
+    fp32 = PoolConfig(**shape, page_size=16).bytes_per_page
+    assert PoolConfig(**shape, page_size=16, kv_dtype="int4").bytes_per_page == 30 * 3 * (16 * 64 + 4 * (64 + 16))
+    assert PoolConfig(**shape, page_size=64, kv_dtype="int4").bytes_per_page / (4 * fp32) == 4.5 / 32  # q4_0's bits
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        PoolConfig(1, 1, 7, 4, kv_dtype="int4", num_pages=1)
+    with pytest.raises(ValueError, match="cannot read torch.uint8 KV"):
+        get_backend(available("triton"), dtype=torch.uint8)

@@ -54,16 +54,19 @@ def test_int8_small_quality_gate():
     assert kl.mean() > 0  # the int8 path really ran: its rounding changes the distributions
 
 
-def test_int8_cache_on_equals_off_and_batched_equals_alone():
-    """Within the int8 format, greedy tokens do not depend on the prefix cache or on
-    batching: a cached page holds exactly what recomputing it would store."""
+@pytest.mark.parametrize("kv_dtype, dtype", [("int8", torch.int8), ("int4", torch.uint8)])
+def test_quantized_cache_on_equals_off_and_batched_equals_alone(kv_dtype, dtype):
+    """Within a quantized format, greedy tokens do not depend on the prefix cache or on
+    batching: a cached page holds exactly what recomputing it would store (int4: pages
+    are quantized when they fill, so a sealed page depends only on its own tokens)."""
     greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     system = "You are a terse assistant. Answer with one short sentence. " * 4
     prompts = [system + q for q in ("Name a colour.", "Name a planet.", "Name a fruit.")]
-    with Engine(kv_dtype="int8", kv_cache_tokens=4096, enable_prefix_cache=False, attention_backend="torch") as cold:
+    cold_cfg = dict(kv_dtype=kv_dtype, kv_cache_tokens=4096, enable_prefix_cache=False, attention_backend="torch")
+    with Engine(**cold_cfg, page_size=4) as cold:  # int4 quantizes K per page: same pages, same bytes
         alone = [cold.generate(p, greedy).token_ids for p in prompts]
-    with Engine(kv_dtype="int8", kv_cache_tokens=4096, page_size=4) as warm:
-        assert warm.pool.format.name == "int8" and warm.pool.k[0].dtype == torch.int8
+    with Engine(kv_dtype=kv_dtype, kv_cache_tokens=4096, page_size=4) as warm:
+        assert warm.pool.format.name == kv_dtype and warm.pool.k[0].dtype == dtype
         first = warm.generate(prompts[0], greedy)
         batched = warm.generate(prompts, [greedy] * 3)
         warm.check_integrity()
@@ -127,7 +130,7 @@ def test_fp8_pages_store_and_read_back_through_the_format_and_identities_differ(
     unity = PoolConfig(2, 2, 8, 4, kv_dtype="fp8_e4m3", num_pages=4, kv_scales=load_kv_scales("unity", 2, 2))
     int8 = PoolConfig(2, 2, 8, 4, kv_dtype="int8", num_pages=4)
     identities = {pool.identity, unity.kv_identity, int8.kv_identity, PoolConfig(2, 2, 8, 4, num_pages=4).kv_identity}
-    assert identities == {f"fp8_e4m3/scales={scales.digest}", "fp8_e4m3/scales=unity", "int8/row-minmax-fp16", "fp32"}
+    assert identities == {f"fp8_e4m3/scales={scales.digest}", "fp8_e4m3/scales=unity", "int8/rot-row-minmax-fp16", "fp32"}
     with pytest.raises(ValueError, match="cannot read torch.float8_e4m3fn KV"):
         get_backend("triton", dtype=torch.float8_e4m3fn)
 

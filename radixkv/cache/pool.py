@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from radixkv.cache.formats import KVFormat, KVScales, KVView, kv_format
+from radixkv.cache.sealing import Sealer
 from radixkv.errors import IntegrityError, OutOfPagesError
 from radixkv.kernels import pages as page_loops
 
@@ -254,6 +255,8 @@ class PoolConfig:
             raise ValueError(f"kv_dtype {fmt.name} needs kv_scales: a scale file, or 'unity'")
         if not fmt.head_scaled and scales is not None:
             raise ValueError(f"kv_scales applies to the fp8 formats only, not kv_dtype {fmt.name}")
+        if fmt.paged and self.head_dim % 2:
+            raise ValueError(f"kv_dtype {fmt.name} packs two codes per byte: head_dim must be even, got {self.head_dim}")
         if scales is not None and (scales.k.shape != (self.num_layers, self.num_kv_heads) or scales.v.shape != scales.k.shape):
             raise ValueError(f"kv_scales must be [num_layers, num_kv_heads] = [{self.num_layers}, {self.num_kv_heads}], "
                              f"got {list(scales.k.shape)} and {list(scales.v.shape)}")  # fmt: skip
@@ -301,14 +304,17 @@ class KVPool(PageAllocator):
         self.format = fmt = config.format
         shape = (self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
         layers, device = range(config.num_layers), config.device
-        self.k = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
-        self.v = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in layers]
+        codes = (*shape[:3], shape[3] // 2) if fmt.paged else shape  # paged: two 4-bit codes a byte
+        self.k = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
+        self.v = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
         self.identity = config.kv_identity
         self.k_params = self.v_params = None
         if fmt.scale_dtype is not None:  # (scale, offset) per (slot, KV head), beside the pages
             params = (*shape[:3], 2)
-            self.k_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
+            k_params = (shape[0], shape[2], shape[3], 2) if fmt.paged else params  # paged K: per channel of a page
+            self.k_params = [torch.zeros(k_params, dtype=fmt.scale_dtype, device=device) for _ in layers]
             self.v_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
+        self.sealer = Sealer(self) if fmt.paged else None
         rows = (-1, config.num_kv_heads, config.head_dim)
         # index_copy_ has no CPU kernel for 8-bit floats: write their bytes
         as_rows = (lambda t: t.view(rows).view(torch.uint8)) if fmt.head_scaled else (lambda t: t.view(rows))
@@ -319,7 +325,7 @@ class KVPool(PageAllocator):
             KVView(self.k[i], self.v[i], fmt,
                    self.k_params[i] if self.k_params else None, self.v_params[i] if self.v_params else None,
                    scales.k[i].to(device) if scales is not None else None,
-                   scales.v[i].to(device) if scales is not None else None)  # fmt: skip
+                   scales.v[i].to(device) if scales is not None else None, self.sealer, i)  # fmt: skip
             for i in layers
         ]
 
@@ -328,6 +334,8 @@ class KVPool(PageAllocator):
         into layer ``layer`` at ``slots`` (``[T]`` int64 on the pool's device),
         converting to the pool's format (quantizing, with the parameters beside). Mutates
         that layer's pages only."""
+        if self.sealer is not None:
+            return self.sealer.store(layer, k, v, slots)
         view = self._views[layer]
         kq, kp = self.format.quantize(k, view.k_scale)
         vq, vp = self.format.quantize(v, view.v_scale)
@@ -343,6 +351,18 @@ class KVPool(PageAllocator):
     def view(self, layer: int) -> KVView:
         """Layer ``layer``'s KV for an attention backend. Does not mutate."""
         return self._views[layer]
+
+    def free(self, pages) -> int:
+        freed = super().free(pages)
+        if self.sealer is not None:
+            self.sealer.forget(as_page_ids(pages))
+        return freed
+
+    def release(self, pages: PageIds) -> int:
+        freed = super().release(pages)
+        if self.sealer is not None and freed:
+            self.sealer.forget(pages[self.refcounts().take(pages) == 0])
+        return freed
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows at ``slots`` (``[T, num_kv_heads, head_dim]`` copies) as a
