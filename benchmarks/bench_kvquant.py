@@ -3,8 +3,11 @@
 For each KV format, the embedded SmolLM2 (float32 weights) reads natural text (the
 licence texts every Debian image ships: GPL-3, then GFDL-1.3 when a context needs more)
 at 2k and 8k context, prefilled in chunks of 512 tokens through a pool of that format,
-so every chunk attends to the earlier ones as the pool stored them. Against the fp32
-cache, run in lockstep on the same chunks:
+so every chunk attends to the earlier ones as the pool stored them. A format spec is
+``NAME[@PAGE][+cal]``: ``int4@64`` is int4 over pages of 64 tokens (its K groups; 16
+otherwise), ``fp8_e4m3`` runs with unity scales and ``fp8_e4m3+cal`` with scales
+measured on another text (Apache-2.0). Against the fp32 cache, run in lockstep on the
+same chunks:
 
 - perplexity of the text and its change (%);
 - KL divergence of the next-token distributions, KL(fp32 || format): mean and p99;
@@ -13,22 +16,46 @@ cache, run in lockstep on the same chunks:
   the fp32 cache's (none: equal throughout).
 
 Peer in the same run, when installed (``bash benchmarks/peers/setup_llamacpp.sh``):
-llama.cpp through llama-cpp-python on the same GGUF, with its q8_0 and q4_0 K/V cache
-types (flash attention on, which quantized V needs), KL and top-1 against its own f16
+llama.cpp through llama-cpp-python on the same GGUF, with its q8_0, q4_0 and q4_1 K/V
+cache types (flash attention on, which quantized V needs), KL and top-1 against its own f16
 cache on the same tokens, at 2k by default (``--peer-contexts``). llama.cpp runs the
 GGUF's own quantized weights, so its figures compare cache types within llama.cpp, as
 radixkv's do within radixkv.
 
-    .venv/bin/python benchmarks/bench_kvquant.py [--contexts 2048 8192] [--formats bf16 fp16 int8]
+    .venv/bin/python benchmarks/bench_kvquant.py [--contexts 2048 8192] [--formats bf16 int8 int4@64 ...]
         [--peer-contexts 2048] [--json benchmarks/out/bench_kvquant.json]
+
+Decode speed (``--decode-speed``, instead of the above): what a format costs per decode
+step on the CPU backend. One ``KVPool`` per format with the embedded model's KV shape
+(30 layers, 3 KV heads of 64; 9 query heads), pages of 16 scattered over the pool, holds
+``--speed-batch`` sequences of ``--speed-context`` tokens of random K/V (the same values
+in every pool; attention's cost does not depend on them). Timed, the formats alternating
+step by step, ``--speed-repeats`` times each after a warm-up, median reported:
+
+- attention only: ``plan`` plus the 30 layers' ``forward`` of one decode step (one new
+  token per sequence), as the model calls them;
+- model step: the real weights' whole decode step (``model.forward``: embeddings, 30
+  layers with the store of the new K/V, attention, MLP, logits) and the argmax over the
+  logits. Prefilling 16 real 4k prompts through the engine would take most of an hour
+  here, so the context is the same random K/V; only the new token's K/V is the model's.
+
+The int8 row on the torch reference path (gather, dequantize, SDPA; what the CPU
+backend did with int8 before its kernel read int8 pages) is timed once beside them.
+Target: int8 >= 1.3x fp32 tokens/s.
+
+    .venv/bin/python benchmarks/bench_kvquant.py --decode-speed [--speed-batch 16] [--speed-context 4096]
+        [--speed-repeats 7] [--json benchmarks/out/bench_kvquant_decode.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +65,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
+from radixkv.cache.formats import UNITY, kv_format, load_kv_scales  # noqa: E402
+from radixkv.model.kv_scales import calibrate  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.sampling import SamplingParams  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
@@ -55,7 +84,14 @@ CHATS = [
     "Explain in two sentences why the sky is blue.", "Write a haiku about autumn leaves.",
     "List three uses of a paperclip.", "What is the difference between a list and a tuple in Python?",
 ]  # fmt: skip
-TARGETS = {"int8": {"ppl_change_pct": 0.25, "kl_mean": 1.5e-3, "top1": 0.98}}
+TARGETS = {"int8": {"ppl_change_pct": 0.25, "kl_mean": 1.5e-3, "top1": 0.98}, "int4": {"ppl_change_pct": 1.0},
+           "int4@64": {"ppl_change_pct": 2.5}}  # fmt: skip
+DEFAULT_FORMATS = ["bf16", "fp16", "int8", "int4", "int4@64", "int4_norot", "int4_norot@64", "fp8_e4m3",
+                   "fp8_e4m3+cal", "fp8_e5m2+cal"]  # fmt: skip
+CALIBRATION_TEXT = Path("/usr/share/common-licenses/Apache-2.0")  # fp8 scales are measured on other text
+# bits per element of a cache type: radixkv's by bytes_per_page, llama.cpp's by its block layout
+LLAMA_BITS = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0}
+SPEED_TARGET = 1.3  # int8 decode tokens/s over fp32's, batch 16 at 4k context
 
 
 def text_ids(tokenizer, count: int) -> list[int]:
@@ -67,15 +103,46 @@ def text_ids(tokenizer, count: int) -> list[int]:
     raise SystemExit(f"the licence texts hold only {len(ids)} tokens, fewer than {count}")
 
 
+def parse_spec(spec: str) -> tuple[str, int, str | None]:
+    """A format spec: ``NAME[@PAGE][+cal]`` -> (format, page size, kv_scales). fp8 takes
+    ``unity`` scales, or with ``+cal`` scales measured on ``CALIBRATION_TEXT`` (another
+    text than the one scored)."""
+    name, _, cal = spec.partition("+")
+    name, _, page = name.partition("@")
+    scales = None
+    if name.startswith("fp8"):
+        scales = str(calibrated_scales(name)) if cal == "cal" else UNITY
+    return name, int(page or PAGE), scales
+
+
+_CALIBRATED: dict[str, Path] = {}
+
+
+def calibrated_scales(fmt: str) -> Path:
+    """A scale file for ``fmt`` measured (``radixkv.model.kv_scales.calibrate``) on 2048
+    tokens of ``CALIBRATION_TEXT``, written once per run."""
+    if fmt not in _CALIBRATED:
+        src = resolve_model()
+        ids = Tokenizer.load(src).encode(CALIBRATION_TEXT.read_text(), add_special_tokens=False)[:2048]
+        path = Path(tempfile.mkdtemp()) / f"{fmt}.json"
+        path.write_text(json.dumps(calibrate(load_model(src.path, "float32", "cpu"), ids, fmt)))
+        _CALIBRATED[fmt] = path
+    return _CALIBRATED[fmt]
+
+
 def lockstep(model, ids: list[int], formats: list[str]) -> dict:
-    """Chunked prefill of ``ids`` through an fp32 pool and one pool per format, chunk by
-    chunk; per format the metrics against fp32 (and fp32's own perplexity)."""
+    """Chunked prefill of ``ids`` through an fp32 pool and one pool per format spec
+    (``parse_spec``), chunk by chunk; per format the metrics against fp32 (and fp32's
+    own perplexity)."""
     c = model.config
-    pages = -(-len(ids) // PAGE)
     backend = get_backend("torch")
-    pools = {f: KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, PAGE, kv_dtype=f, num_pages=pages))
-             for f in ["fp32", *formats]}  # fmt: skip
-    tables = {f: p.alloc(pages) for f, p in pools.items()}
+    pools = {}
+    for f in ["fp32", *formats]:
+        name, page, scales = parse_spec(f)
+        kv_scales = load_kv_scales(scales, c.num_layers, c.num_kv_heads, name) if scales else None
+        pools[f] = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, page, kv_dtype=name,
+                                     num_pages=-(-len(ids) // page), kv_scales=kv_scales))  # fmt: skip
+    tables = {f: p.alloc(p.num_pages) for f, p in pools.items()}
     nll = {f: [] for f in pools}
     kl = {f: [] for f in formats}
     top1 = {f: [] for f in formats}
@@ -85,7 +152,7 @@ def lockstep(model, ids: list[int], formats: list[str]) -> dict:
             chunk = ids[start : start + CHUNK]
             logp = {}
             for f, pool in pools.items():
-                batch = ForwardBatch.build([SeqInput(chunk, start, tables[f])], PAGE, "cpu")
+                batch = ForwardBatch.build([SeqInput(chunk, start, tables[f])], pool.page_size, "cpu")
                 logp[f] = torch.log_softmax(model.forward(batch, pool, backend, all_logits=True).double(), -1)
             n = len(chunk) - (start + len(chunk) == len(ids))  # the last token predicts nothing
             tgt = targets[start : start + n]
@@ -113,7 +180,8 @@ def first_divergence(formats: list[str], new_tokens: int = 64) -> dict:
     greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     outs = {}
     for f in ["fp32", *formats]:
-        with Engine(kv_dtype=f, kv_cache_tokens=8192, attention_backend="torch") as e:
+        name, page, scales = parse_spec(f)
+        with Engine(kv_dtype=name, kv_scales=scales, page_size=page, kv_cache_tokens=8192, attention_backend="torch") as e:
             prompts = [e.render_chat([{"role": "user", "content": q}]) for q in CHATS]
             outs[f] = [o.token_ids for o in e.generate(prompts, [greedy] * len(prompts))]
     result = {}
@@ -129,7 +197,8 @@ def first_divergence(formats: list[str], new_tokens: int = 64) -> dict:
 LLAMA_SCRIPT = r"""
 import json, sys, numpy as np, llama_cpp
 path, ids, types = sys.argv[1], json.loads(sys.stdin.read()), sys.argv[2].split(",")
-codes = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+codes = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+         "q4_1": llama_cpp.GGML_TYPE_Q4_1}
 def logprobs(kind):
     llm = llama_cpp.Llama(path, n_ctx=len(ids) + 8, n_batch=512, n_ubatch=512, logits_all=True, verbose=False,
                           type_k=codes[kind], type_v=codes[kind], flash_attn=True, n_threads=2)
@@ -155,10 +224,10 @@ print(json.dumps({"version": llama_cpp.__version__, "rows": out}))
 
 
 def llama_cpp_peer(ids: list[int]) -> dict | str:
-    """llama.cpp's f16 / q8_0 / q4_0 caches on ``ids``, or why it did not run."""
+    """llama.cpp's f16 / q8_0 / q4_0 / q4_1 caches on ``ids``, or why it did not run."""
     if not LLAMA_PY.exists():
         return "not installed (bash benchmarks/peers/setup_llamacpp.sh)"
-    run = subprocess.run([str(LLAMA_PY), "-c", LLAMA_SCRIPT, str(resolve_model().path), "q8_0,q4_0"],
+    run = subprocess.run([str(LLAMA_PY), "-c", LLAMA_SCRIPT, str(resolve_model().path), "q8_0,q4_0,q4_1"],
                          input=json.dumps(ids), capture_output=True, text=True, timeout=3600)  # fmt: skip
     if run.returncode != 0:
         return f"failed: {run.stderr.strip().splitlines()[-1:] or run.returncode}"
@@ -168,15 +237,30 @@ def llama_cpp_peer(ids: list[int]) -> dict | str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--formats", nargs="+", default=["bf16", "fp16", "int8"])
+    ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS,
+                    help="format specs NAME[@PAGE][+cal] (default %(default)s); fp8 without +cal: unity scales")
     ap.add_argument("--peer-contexts", type=int, nargs="*", default=[2048],
                     help="contexts llama.cpp runs at (default 2048: its quantized-cache attention on this CPU "
                          "takes minutes per run already there); none: skip it")  # fmt: skip
-    ap.add_argument("--json", default="benchmarks/out/bench_kvquant.json")
+    ap.add_argument("--json", default=None,
+                    help="default benchmarks/out/bench_kvquant.json, or bench_kvquant_decode.json with --decode-speed")
+    ap.add_argument("--decode-speed", action="store_true",
+                    help="time decode steps per KV format on the CPU backend instead of the quality gate")
+    ap.add_argument("--speed-formats", nargs="+", default=["fp32", "int8"])
+    ap.add_argument("--speed-batch", type=int, default=16)
+    ap.add_argument("--speed-context", type=int, default=4096)
+    ap.add_argument("--speed-repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(2)
     src = resolve_model()
     model = load_model(src.path, "float32", "cpu")
+    if args.decode_speed:
+        rows = decode_speed(model, args.speed_formats, args.speed_batch, args.speed_context, args.speed_repeats)
+        print_speed_table(rows)
+        write_result(args.json or "benchmarks/out/bench_kvquant_decode.json", rows, threads=torch.get_num_threads(),
+                     page_size=PAGE, target_int8_over_fp32=SPEED_TARGET)  # fmt: skip
+        return
+    args.json = args.json or "benchmarks/out/bench_kvquant.json"
     tokenizer = Tokenizer.load(src)
     rows = {}
     for ctx in args.contexts:
@@ -192,13 +276,22 @@ def main() -> None:
             print(f"{ctx}: llama.cpp done in {row['llama_cpp_seconds']:.0f} s", flush=True)
         rows[str(ctx)] = row
     rows["first_greedy_divergence"] = first_divergence(args.formats)
+    rows["bits_per_element"] = {f: bits_per_element(model.config, f) for f in ["fp32", *args.formats]}
+    rows["llama_cpp_bits_per_element"] = LLAMA_BITS
     print_table(rows, args)
     write_result(args.json, rows, text=[p.name for p in TEXTS], chunk=CHUNK, page_size=PAGE, targets=TARGETS)
 
 
+def bits_per_element(config, spec: str) -> float:
+    """Bits a format spec stores per K or V element, its parameters included."""
+    name, page, _ = parse_spec(spec.split("+")[0])  # no calibration needed to count bits
+    per_page = kv_format(name).bytes_per_page(config.num_layers, page, config.num_kv_heads, config.head_dim)
+    return 8 * per_page / (2 * config.num_layers * page * config.num_kv_heads * config.head_dim)
+
+
 def print_table(rows: dict, args) -> None:
     print("SmolLM2-135M float32 weights; KV formats against the fp32 cache (llama.cpp: against its f16 cache)")
-    head = f"{'context':>8} {'system':<10}{'cache':<7}{'ppl':>9}{'change %':>10}{'KL mean':>11}{'KL p99':>11}{'top-1 %':>9}"
+    head = f"{'context':>8} {'system':<10}{'cache':<15}{'ppl':>9}{'change %':>10}{'KL mean':>11}{'KL p99':>11}{'top-1 %':>9}"
     print(head)
     print("-" * len(head))
     for ctx in args.contexts:
@@ -211,15 +304,132 @@ def print_table(rows: dict, args) -> None:
             res = res.get("rows", res)
             for kind, m in res.items():
                 if "kl_mean" not in m:
-                    print(f"{ctx:>8} {system:<10}{kind:<7}{m['ppl']:>9.3f}{'(ref)':>10}")
+                    print(f"{ctx:>8} {system:<10}{kind:<15}{m['ppl']:>9.3f}{'(ref)':>10}")
                     continue
-                print(f"{ctx:>8} {system:<10}{kind:<7}{m['ppl']:>9.3f}{m['ppl_change_pct']:>10.3f}"
+                print(f"{ctx:>8} {system:<10}{kind:<15}{m['ppl']:>9.3f}{m['ppl_change_pct']:>10.3f}"
                       f"{m['kl_mean']:>11.2e}{m['kl_p99']:>11.2e}{100 * m['top1']:>9.2f}")  # fmt: skip
     print(f"\nfirst greedy divergence from the fp32 cache ({len(CHATS)} chat prompts, 64 tokens; None: none):")
     for f, firsts in rows["first_greedy_divergence"].items():
-        print(f"  {f:<6}{firsts}")
+        print(f"  {f:<15}{firsts}")
     print(f"\ntargets (int8): ppl change <= {TARGETS['int8']['ppl_change_pct']}%, KL mean <= "
           f"{TARGETS['int8']['kl_mean']}, top-1 >= {100 * TARGETS['int8']['top1']}%, KL no worse than llama.cpp q8_0")
+    print("targets (int4, rotated): ppl change <= 1% at page size 16, <= 2.5% at 64; better than llama.cpp's q4_0 "
+          "and q4_1 at equal or fewer bits")
+    print("bits per element: " + ", ".join(f"{f} {b:.2f}" for f, b in rows["bits_per_element"].items())
+          + "; llama.cpp " + ", ".join(f"{k} {v}" for k, v in LLAMA_BITS.items()))
+
+
+def filled_pools(config, formats: list[str], batch: int, context: int, seed: int = 0):
+    """One pool per format of ``config``'s KV shape holding ``batch`` sequences of
+    ``context`` tokens of the same random K/V, each sequence's pages scattered over the
+    pool; and the sequences (``SeqInput``s of one new token, at the last slot)."""
+    c = config
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // PAGE)
+    num_pages = batch * per_seq
+    pools = {f: KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, PAGE, kv_dtype=f, num_pages=num_pages))
+             for f in formats}  # fmt: skip
+    for pool in pools.values():
+        pool.alloc(num_pages)  # every page, so any order of them is a valid set of page tables
+    order = torch.randperm(num_pages, generator=g).numpy().astype(np.int32)  # a long-running server's scatter
+    seqs = [SeqInput([0], context - 1, order[i * per_seq : (i + 1) * per_seq]) for i in range(batch)]
+    slots = torch.cat([pools[formats[0]].slots(s.pages, 0, context) for s in seqs])
+    for layer in range(c.num_layers):
+        k = torch.randn(len(slots), c.num_kv_heads, c.head_dim, generator=g)
+        v = torch.randn(len(slots), c.num_kv_heads, c.head_dim, generator=g)
+        for pool in pools.values():
+            pool.store_kv(layer, k, v, slots)
+    return pools, seqs
+
+
+def timed(fn, order: list, repeats: int) -> dict:
+    """Median, min and all seconds of ``fn(key)`` per key, the keys alternating."""
+    seconds: dict = {}
+    for key in order:  # warm-up: the kernel's first build and load, first-touch of scratch
+        fn(key)
+    for _ in range(repeats):
+        for key in order:
+            t0 = time.perf_counter()
+            fn(key)
+            seconds.setdefault(key, []).append(time.perf_counter() - t0)
+    return {k: {"median_s": statistics.median(v), "min_s": min(v), "all_s": v} for k, v in seconds.items()}
+
+
+def decode_speed(model, formats: list[str], batch: int, context: int, repeats: int) -> dict:
+    """Seconds per decode step of ``batch`` sequences at ``context`` tokens, per format:
+    attention only (the cpu backend's plan + every layer's forward) and the model's whole
+    step; plus int8 through the torch reference path, attention only. See the module
+    docstring."""
+    c = model.config
+    load_before = os.getloadavg()[0]  # another busy process here slows the timed steps
+    t0 = time.perf_counter()
+    pools, seqs = filled_pools(c, formats, batch, context)
+    fill_s = time.perf_counter() - t0
+    dbatch = ForwardBatch.build(seqs, PAGE, "cpu")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, c.num_heads, c.head_dim, generator=g)
+    k_new = torch.randn(batch, c.num_kv_heads, c.head_dim, generator=g)
+    v_new = torch.randn(batch, c.num_kv_heads, c.head_dim, generator=g)
+    ids = torch.randint(0, c.vocab_size, (batch,), generator=g).tolist()
+    mbatch = ForwardBatch.build([SeqInput([t], s.num_cached, s.pages) for t, s in zip(ids, seqs)], PAGE, "cpu")
+    backend = get_backend("cpu")
+    scale = c.head_dim**-0.5
+
+    def attention(f: str, impl=backend) -> None:
+        impl.plan(dbatch)
+        for layer in range(c.num_layers):
+            impl.forward(q, k_new, v_new, pools[f].view(layer), scale, c.sliding_window)
+
+    def model_step(f: str) -> None:
+        logits = model.forward(mbatch, pools[f], backend)
+        logits.argmax(-1)
+
+    with torch.inference_mode():
+        attn = timed(attention, formats, repeats)
+        e2e = timed(model_step, formats, repeats)
+        torch_path = None
+        if "int8" in formats:
+            ref = get_backend("torch")
+            torch_path = timed(lambda f: attention(f, ref), ["int8"], max(2, repeats // 3))["int8"]
+    kv_bytes = {f: sum(t.numel() * t.element_size() for t in (*pools[f].k, *pools[f].v,
+                                                           *(pools[f].k_params or ()), *(pools[f].v_params or ())))
+            for f in formats}  # fmt: skip
+    rows = {"shape": {"layers": c.num_layers, "q_heads": c.num_heads, "kv_heads": c.num_kv_heads,
+                      "head_dim": c.head_dim, "batch": batch, "context": context, "page_size": PAGE},
+            "fill_seconds": fill_s, "load_average_1min": [load_before, os.getloadavg()[0]], "formats": {}}  # fmt: skip
+    base = formats[0]
+    for f in formats:
+        rows["formats"][f] = {"kv_bytes_read_per_step": kv_bytes[f], "attention": attn[f], "model_step": e2e[f]}
+        for times in (attn, e2e):
+            times[f]["tokens_per_s"] = batch / times[f]["median_s"]
+            times[f][f"speedup_vs_{base}"] = times[base]["median_s"] / times[f]["median_s"]
+    if torch_path is not None:
+        torch_path["tokens_per_s"] = batch / torch_path["median_s"]
+        torch_path[f"speedup_vs_{base}"] = attn[base]["median_s"] / torch_path["median_s"]
+        rows["int8_torch_path_attention"] = torch_path
+    return rows
+
+
+def print_speed_table(rows: dict) -> None:
+    sh = rows["shape"]
+    print(f"\ndecode speed, cpu backend, {torch.get_num_threads()} threads: batch {sh['batch']} x {sh['context']}-token "
+          f"contexts; {sh['layers']} layers, {sh['q_heads']} query / {sh['kv_heads']} KV heads of {sh['head_dim']}, "
+          f"pages of {sh['page_size']}; median of the alternating runs (min)")  # fmt: skip
+    base = next(iter(rows["formats"]))
+    head = f"{'format':<20}{'KV MB':>8}{'attn ms':>16}{'tok/s':>8}{'x ' + base:>8}{'step ms':>16}{'tok/s':>8}{'x ' + base:>8}"
+    print(head)
+    print("-" * len(head))
+    for f, row in rows["formats"].items():
+        a, m = row["attention"], row["model_step"]
+        print(f"{f:<20}{row['kv_bytes_read_per_step'] / 1e6:>8.0f}"
+              f"{a['median_s'] * 1e3:>9.1f} ({a['min_s'] * 1e3:>4.0f}){a['tokens_per_s']:>8.1f}{a[f'speedup_vs_{base}']:>8.2f}"
+              f"{m['median_s'] * 1e3:>9.1f} ({m['min_s'] * 1e3:>4.0f}){m['tokens_per_s']:>8.1f}{m[f'speedup_vs_{base}']:>8.2f}")  # fmt: skip
+    t = rows.get("int8_torch_path_attention")
+    if t:
+        print(f"{'int8 (torch path)':<20}{'':>8}{t['median_s'] * 1e3:>9.1f} ({t['min_s'] * 1e3:>4.0f})"
+              f"{t['tokens_per_s']:>8.1f}{t[f'speedup_vs_{base}']:>8.2f}")  # fmt: skip
+    print(f"\ntarget: int8 >= {SPEED_TARGET}x {base} tokens/s; 1-minute load average before and after: "
+          f"{rows['load_average_1min'][0]:.2f}, {rows['load_average_1min'][1]:.2f} (this run's own 2 threads count)")
 
 
 if __name__ == "__main__":

@@ -52,16 +52,21 @@ def _quantized(dtype) -> bool:
     return dtype is not None and (not dtype.is_floating_point or dtype.itemsize == 1)
 
 
+def _reads(backend: AttentionBackend, dtype) -> bool:
+    """Whether ``backend`` reads KV of ``dtype``: every unquantized dtype; a quantized one
+    when it reads them all (``quantized_kv``) or lists it in ``quantized_dtypes`` (Triton
+    reads int8 pages, not fp8's or int4's)."""
+    return not _quantized(dtype) or backend.quantized_kv or dtype in backend.quantized_dtypes
+
+
 def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
     """By where the KV lives: on CUDA, FlashInfer for half-precision KV read by queries of
-    the same dtype when it imports, else Triton (which also reads fp32 and mixed KV), and
-    torch for quantized KV; on the CPU the C decode kernel when it builds (quantized KV
-    goes through its torch path), else torch. The machine having a GPU does not matter,
-    only ``device``."""
+    the same dtype when it imports, else Triton (which also reads fp32, mixed and int8
+    KV), and torch for the quantized KV Triton does not read (fp8, int4); on the CPU the
+    C decode kernel when it builds, else torch. The machine having a GPU does not
+    matter, only ``device``."""
     import torch
 
-    if _quantized(dtype) and str(device).startswith("cuda"):
-        return _torch()  # no GPU kernel reads quantized KV yet
     if str(device).startswith("cuda"):
         half = dtype in (torch.float16, torch.bfloat16) and q_dtype in (None, dtype)
         factories = (_flashinfer, _triton) if half else (_triton,)
@@ -69,9 +74,11 @@ def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
         factories = (_cpu,)
     for factory in factories:
         try:
-            return factory()
+            backend = factory()
         except ImportError:
             continue
+        if _reads(backend, dtype):
+            return backend
     return _torch()
 
 
@@ -93,7 +100,7 @@ def get_backend(name: str = "torch", device: str = "cpu", dtype=None, q_dtype=No
     if name == "auto":
         return _auto(device, dtype, q_dtype)
     backend = BACKENDS[name]()
-    if _quantized(dtype) and not backend.quantized_kv:
+    if not _reads(backend, dtype):
         raise ValueError(f"attention_backend {name!r} cannot read {dtype} KV yet: use torch or cpu")
     return backend
 

@@ -10,7 +10,8 @@ class AttentionBackend:
     ``forward`` for each layer."""
 
     name = ""
-    quantized_kv = False  # reads quantized formats (int8 pages with scales); see KVView.gather
+    quantized_kv = False  # reads every quantized format (int8, int4, fp8); see KVView.gather
+    quantized_dtypes: frozenset = frozenset()  # else the quantized KV dtypes it reads (Triton: int8)
 
     def plan(self, batch) -> None:
         """Build whatever index data the batch needs, once for all layers."""

@@ -1,5 +1,5 @@
 /* Paged decode attention for the CPU: one new token per sequence, read straight from
- * the paged KV cache (no gather copy), float32 throughout.
+ * the paged KV cache (no gather copy or dequantized copy), accumulating in float32.
  *
  * Built by cpu_backend.py with the system C compiler into a cached shared library and
  * called through ctypes. Threads come from OpenMP: torch ships the GNU runtime
@@ -8,9 +8,21 @@
  * Layouts (row-major, contiguous):
  *   q, out       [rows, hq, d]      sequence i's query is row rows[i]
  *   k/v cache    [pages * page_size, hkv, d]   (NHD pages, flattened)
+ *   k/v params   [pages * page_size, hkv, 2]   int8 only: fp16 (scale, offset) per token and KV head
+ *   basis        [d, d] or NULL     int8 only: the map M of a format that stores rows in another basis
  *   kv_starts    [n]                sequence i's page table starts at kv_indices[kv_starts[i]]
  *   seq_lens     [n]                tokens in the cache for sequence i, the new one included
  * Query head j uses KV head j / (hq / hkv), as GQA's repeat_interleave does.
+ *
+ * KV formats (kv_format): KV_FP32, elements as they are; KV_INT8, codes c in [-128, 127]
+ * standing for (c + 128) * scale + offset, i.e. c * scale + mid with mid = 128 * scale +
+ * offset. The scales are folded into the sums instead of dequantizing each element:
+ *   q . k     = scale * sum_e q_e c_e + mid * sum_e q_e     (sum_e q_e once per query head)
+ *   sum_t p v = sum_t (p scale) c + (sum_t p mid) * ones    (the second sum one float per head)
+ * so the codes go to float once per row (exact) and feed every query head of their group.
+ * A format that stores rows rotated (a row x kept as y = x R, dequantized as y M with
+ * M = R^T) is read in the stored basis: q . (y M) = (q M^T) . y, so each task turns the
+ * queries into q M^T first, and sum p (y M) = (sum p y) M, so it turns its sums by M last.
  *
  * One task per sequence (or per range of its context when there are few sequences),
  * three passes over its positions: scores of every query head against each K row (a row
@@ -18,17 +30,26 @@
  * of V rows; ranges are merged by their maxima and sums at the end. window > 0 keeps the
  * last `window` positions; softcap > 0 maps each score s to softcap * tanh(s / softcap).
  * Rows come from scattered pages, so each pass prefetches the row AHEAD tokens on.
+ *
+ * int8 (attend_part_int8) keeps those passes and splits, with its own inner loops: K's
+ * dot products 8 tokens at a time (their sums reduced together), V's weighted sums 16
+ * tokens at a time with the sums in registers, the exponentials in vectors; an int8 row
+ * is a quarter of an fp32 one, so it prefetches 4 * AHEAD tokens on. AVX2 + FMA (and
+ * F16C for the parameters) when the compiler targets them, portable loops otherwise.
  */
 
 #include <math.h>
 #include <stdint.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define AHEAD 4
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+
+enum { KV_FP32 = 0, KV_INT8 = 1 };
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -91,6 +112,25 @@ INLINE void prefetch_row(const float *cache, const int32_t *pages, int64_t t, in
     for (int64_t e = 0; e < row; e += 16) __builtin_prefetch(r + e);
 }
 
+/* Per head j of scores [hq][span]: m[j] = the largest score, each score replaced by
+ * exp(score - m[j]), l[j] = their sum; acc [hq][d] zeroed for the weighted sum of V. */
+INLINE void softmax_rows(float *scores, float *acc, float *m, float *l, int64_t hq, int64_t d, int64_t span) {
+    for (int64_t j = 0; j < hq; j++) {
+        float *sj = scores + j * span;
+        float top = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : top)
+        for (int64_t u = 0; u < span; u++) top = sj[u] > top ? sj[u] : top;
+#pragma omp simd reduction(+ : total)
+        for (int64_t u = 0; u < span; u++) {
+            sj[u] = exp_nonpositive(sj[u] - top);
+            total += sj[u];
+        }
+        m[j] = top;
+        l[j] = total;
+        for (int64_t e = 0; e < d; e++) acc[j * d + e] = 0.0f;
+    }
+}
+
 /* Sequence i's query heads against positions [from, to) of its context, unnormalized:
  * per head j, m[j] = the largest score, l[j] = sum of exp(score - m[j]) and
  * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. */
@@ -108,20 +148,7 @@ INLINE void attend_part(const float *qi, const float *k_cache, const float *v_ca
                 scores[j * span + (t - from)] = s;
             }
     }
-    for (int64_t j = 0; j < hq; j++) {
-        float *sj = scores + j * span;
-        float top = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : top)
-        for (int64_t u = 0; u < span; u++) top = sj[u] > top ? sj[u] : top;
-#pragma omp simd reduction(+ : total)
-        for (int64_t u = 0; u < span; u++) {
-            sj[u] = exp_nonpositive(sj[u] - top);
-            total += sj[u];
-        }
-        m[j] = top;
-        l[j] = total;
-        for (int64_t e = 0; e < d; e++) acc[j * d + e] = 0.0f;
-    }
+    softmax_rows(scores, acc, m, l, hq, d, span);
     for (int64_t t = from; t < to; t++) {
         prefetch_row(v_cache, pages, t + AHEAD, to, page_size, row);
         const float *vr = row_of(v_cache, pages, t, page_size, row);
@@ -135,10 +162,377 @@ INLINE void attend_part(const float *qi, const float *k_cache, const float *v_ca
     }
 }
 
-int radixkv_paged_decode(const float *q, const float *k_cache, const float *v_cache,
-                         const int64_t *rows, const int32_t *kv_starts, const int32_t *kv_indices,
-                         const int32_t *seq_lens, float *out, int64_t n, int64_t hq, int64_t hkv,
-                         int64_t d, int64_t page_size, float scale, int64_t window, float softcap) {
+/* ---- int8 pages ---------------------------------------------------------------------- */
+
+#if !defined(__F16C__)
+/* an IEEE half's bits as a float (exact: every half is a float), where F16C is missing */
+INLINE float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13); /* inf, NaN */
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else { /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* one (token, KV head)'s parameters: the step `scale` and `mid`, the value of code 0 */
+INLINE void row_params(const uint16_t *p, float *scale, float *mid) {
+#if defined(__F16C__)
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(pair)); /* (scale, offset, 0, 0) */
+    const float s = _mm_cvtss_f32(f), o = _mm_cvtss_f32(_mm_movehdup_ps(f));
+#else
+    const float s = half_to_float(p[0]), o = half_to_float(p[1]);
+#endif
+    *scale = s;
+    *mid = 128.0f * s + o;
+}
+
+#if defined(__AVX2__)
+/* 8 int8 codes as 8 floats */
+INLINE __m256 codes8(const int8_t *c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+}
+#endif
+
+/* out[g] = sum_e q[g * d + e] * c[e] for g < n (n <= 4): n query heads of one group
+ * against one KV head's codes, each code converted once for all n */
+INLINE void dots_i8(const float *q, const int8_t *c, int64_t d, int n, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t e = 0; e < d; e += 8) {
+            const __m256 x = codes8(c + e);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x, a0);
+            if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + e), x, a1);
+            if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * d + e), x, a2);
+            if (n > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * d + e), x, a3);
+        }
+        /* the four sums at once: pairwise adds leave [a0 a1 a2 a3] in each 128-bit half */
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+        return;
+    }
+#endif
+    for (int g = 0; g < n; g++) {
+        const float *qg = q + g * d;
+        float acc[8] = {0};
+        int64_t e = 0;
+        for (; e + 8 <= d; e += 8)
+            for (int u = 0; u < 8; u++) acc[u] += qg[e + u] * (float)c[e + u];
+        for (int u = 0; e < d; e++, u++) acc[u] += qg[e] * (float)c[e];
+        out[g] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    }
+}
+
+/* acc[g * d + e] += w[g] * c[e] for g < n: the weighted sum of V codes where
+ * weigh_tokens (below) does not apply */
+INLINE void axpy_i8(float *acc, const float *w, const int8_t *c, int64_t d, int n) {
+    for (int g = 0; g < n; g++) {
+        const float wg = w[g];
+        float *ag = acc + g * d;
+        for (int64_t e = 0; e < d; e++) ag[e] += wg * (float)c[e];
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_nonpositive on 8 lanes */
+INLINE __m256 exp8_nonpositive(__m256 x) {
+    const __m256 round = _mm256_set1_ps(12582912.0f);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), round), round);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* softmax_rows, its loops written in vectors (the compiler leaves softmax_rows' loop
+ * over exp scalar: it will not if-convert the clamp without -fno-trapping-math) */
+INLINE void softmax_rows_vec(float *scores, float *acc, float *m, float *l, int64_t hq, int64_t d, int64_t span) {
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int64_t j = 0; j < hq; j++) {
+        float *sj = scores + j * span;
+        const int64_t whole = span - span % 8;
+        __m256 vtop = _mm256_set1_ps(-INFINITY);
+        for (int64_t u = 0; u < whole; u += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(sj + u));
+        __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(vtop), _mm256_extractf128_ps(vtop, 1));
+        t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+        float top = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+        for (int64_t u = whole; u < span; u++) top = sj[u] > top ? sj[u] : top;
+        const __m256 vt = _mm256_set1_ps(top);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t u = 0; u < whole; u += 8) {
+            const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sj + u), vt));
+            _mm256_storeu_ps(sj + u, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        float total = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+        for (int64_t u = whole; u < span; u++) {
+            sj[u] = exp_nonpositive(sj[u] - top);
+            total += sj[u];
+        }
+        m[j] = top;
+        l[j] = total;
+        for (int64_t e = 0; e < d; e++) acc[j * d + e] = 0.0f;
+    }
+#else
+    softmax_rows(scores, acc, m, l, hq, d, span);
+#endif
+}
+
+/* f(..., n) with n a constant 1..4, so the n-way loops above keep their sums in registers */
+#define BY_FOUR(n, call) \
+    switch (n) {         \
+    case 1: call(1); break; \
+    case 2: call(2); break; \
+    case 3: call(3); break; \
+    default: call(4); break; \
+    }
+
+/* ask for the cache lines of `bytes` bytes from p */
+INLINE void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* [sum of r[0]'s lanes, ..., sum of r[7]'s lanes] */
+INLINE __m256 sum8x8(const __m256 *r) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+    /* a: r0..r3's partial sums in each 128-bit half, b: r4..r7's */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* Eight tokens (slots[0..7]) of KV head `head` against the n (<= 4) query heads q
+ * [n][d]: out[g * span + t] = q_g . codes of token t. Each token's codes are converted once
+ * for the n heads; the 8 tokens' sums of one head are reduced together into one vector. */
+INLINE void dots_8_tokens(const float *q, const int8_t *k_cache, const int64_t *slots, const int64_t *ahead,
+                          int64_t row, int64_t head, int64_t d, int n, float *out, int64_t span) {
+    __m256 sums[4][8];
+    for (int t = 0; t < 8; t++) {
+        if (ahead != NULL) prefetch_bytes(k_cache + ahead[t] * row, row);
+        const int8_t *c = k_cache + slots[t] * row + head * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t e = 0; e < d; e += 8) {
+            const __m256 x = codes8(c + e);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x, a0);
+            if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + e), x, a1);
+            if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * d + e), x, a2);
+            if (n > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * d + e), x, a3);
+        }
+        sums[0][t] = a0;
+        if (n > 1) sums[1][t] = a1;
+        if (n > 2) sums[2][t] = a2;
+        if (n > 3) sums[3][t] = a3;
+    }
+    for (int g = 0; g < n; g++) _mm256_storeu_ps(out + g * span, sum8x8(sums[g]));
+}
+
+/* acc[g * d + e0 + 8 v + lane] += sum over t < nt of w[g * span + t] * codes of token t
+ * (slots[t], KV head `head`) at e0 + 8 v + lane, for g < n (<= 4), v < nv (<= 4): the
+ * n x nv sums stay in registers across the nt tokens. */
+INLINE void weigh_tokens(float *acc, const float *w, int64_t span, const int8_t *v_cache, const int64_t *slots,
+                         int64_t nt, int64_t row, int64_t head, int64_t e0, int64_t d, int n, int nv) {
+    __m256 a[4][4];
+    for (int g = 0; g < n; g++)
+        for (int v = 0; v < nv; v++) a[g][v] = _mm256_loadu_ps(acc + g * d + e0 + 8 * v);
+    for (int64_t t = 0; t < nt; t++) {
+        const int8_t *c = v_cache + slots[t] * row + head * d + e0;
+        __m256 x[4];
+        for (int v = 0; v < nv; v++) x[v] = codes8(c + 8 * v);
+        for (int g = 0; g < n; g++) {
+            const __m256 b = _mm256_broadcast_ss(w + g * span + t);
+            for (int v = 0; v < nv; v++) a[g][v] = _mm256_fmadd_ps(b, x[v], a[g][v]);
+        }
+    }
+    for (int g = 0; g < n; g++)
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(acc + g * d + e0 + 8 * v, a[g][v]);
+}
+#endif
+
+/* tokens u in [from, to)'s (scale, mid) per KV head: sc[h * span + u], mid[h * span + u],
+ * times `by` */
+INLINE void unpack_params(const uint16_t *params, const int64_t *slots, int64_t from, int64_t to, int64_t span,
+                          int64_t hkv, float by, float *sc, float *mid) {
+    for (int64_t u = from; u < to; u++) {
+        if (u + 4 * AHEAD < span) __builtin_prefetch(params + slots[u + 4 * AHEAD] * 2 * hkv);
+        const uint16_t *p = params + slots[u] * 2 * hkv;
+        for (int64_t h = 0; h < hkv; h++) {
+            float s, m;
+            row_params(p + 2 * h, &s, &m);
+            sc[h * span + u] = s * by;
+            mid[h * span + u] = m * by;
+        }
+    }
+}
+
+#define TOKENS 16 /* tokens whose V sums stay in registers at once */
+
+/* attend_part for int8 pages. Scratch: slots [span] (each token's slot, found once,
+ * walking the page table without a division per token), sc and mid [hkv][span] (the
+ * tokens' parameters, unpacked from fp16 once per pass), qsum and wmid [hq] (sum_e q_e,
+ * and sum_t p mid), qb [hq][d] (with a basis: the turned queries, then the turned sums).
+ * Scores are q . codes first, then scaled and shifted in one pass over
+ * each head; softmax weights are multiplied by the V scales before the weighted sum of
+ * the codes, and the sum of weights times mids is added to every element at the end. */
+INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t *v_cache, const uint16_t *k_params,
+                             const uint16_t *v_params, const float *basis, const int32_t *pages, int64_t from,
+                             int64_t to, float *scores, int64_t *slots, float *sc, float *mid, float *qsum,
+                             float *wmid, float *qb, float *acc, float *m, float *l, int64_t hq, int64_t hkv,
+                             int64_t d, int64_t page_size, float scale, float softcap) {
+    const int64_t group = hq / hkv, row = hkv * d, span = to - from;
+    for (int64_t u = 0, p = from / page_size, o = from % page_size; u < span; u++) {
+        slots[u] = (int64_t)pages[p] * page_size + o;
+        if (++o == page_size) o = 0, p++;
+    }
+    const float *qi = q;
+    if (basis != NULL) { /* q M^T: (q M^T)_e = q . M's row e */
+        for (int64_t j = 0; j < hq; j++)
+            for (int64_t e = 0; e < d; e++) qb[j * d + e] = dot(q + j * d, basis + e * d, d);
+        qi = qb;
+    }
+    for (int64_t j = 0; j < hq; j++) {
+        float sum = 0.0f;
+        for (int64_t e = 0; e < d; e++) sum += qi[j * d + e];
+        qsum[j] = sum;
+    }
+
+    /* scores: q . codes, then scale * that + mid * sum(q). The parameters are unpacked a
+     * block at a time, their misses beside the codes'; V's are fetched meanwhile. */
+    int64_t done = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0) {
+        const int64_t lead = 4 * AHEAD; /* prefetch distance in tokens: int8 rows are short */
+        for (; done + 8 <= span; done += 8) {
+            const int64_t *ahead = done + 8 + lead <= span ? slots + done + lead : NULL;
+            if (ahead != NULL)
+                for (int t = 0; t < 8; t++) __builtin_prefetch(v_params + ahead[t] * 2 * hkv);
+            unpack_params(k_params, slots, done, done + 8, span, hkv, scale, sc, mid);
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                    const int64_t j0 = h * group + g0, n = group - g0 < 4 ? group - g0 : 4;
+#define DOTS8(N) \
+    dots_8_tokens(qi + j0 * d, k_cache, slots + done, h + g0 == 0 ? ahead : NULL, row, h, d, N, scores + j0 * span + done, span)
+                    BY_FOUR(n, DOTS8)
+#undef DOTS8
+                }
+        }
+    }
+#endif
+    unpack_params(k_params, slots, done, span, span, hkv, scale, sc, mid);
+    float dots[4];
+    for (int64_t u = done; u < span; u++) { /* the rest one token at a time */
+        const int8_t *kr = k_cache + slots[u] * row;
+        for (int64_t h = 0; h < hkv; h++)
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t j0 = h * group + g0, n = group - g0 < 4 ? group - g0 : 4;
+#define DOTS(N) dots_i8(qi + j0 * d, kr + h * d, d, N, dots)
+                BY_FOUR(n, DOTS)
+#undef DOTS
+                for (int64_t g = 0; g < n; g++) scores[(j0 + g) * span + u] = dots[g];
+            }
+    }
+    for (int64_t j = 0; j < hq; j++) {
+        float *sj = scores + j * span;
+        const float *scj = sc + (j / group) * span, *midj = mid + (j / group) * span, qs = qsum[j];
+        for (int64_t u = 0; u < span; u++) sj[u] = scj[u] * sj[u] + midj[u] * qs;
+        if (softcap > 0.0f)
+            for (int64_t u = 0; u < span; u++) sj[u] = softcap * tanhf(sj[u] / softcap);
+    }
+
+    softmax_rows_vec(scores, acc, m, l, hq, d, span);
+
+    /* weights: p * scale per token; sum of p * mid per head */
+    unpack_params(v_params, slots, 0, span, span, hkv, 1.0f, sc, mid);
+    for (int64_t j = 0; j < hq; j++) {
+        float *sj = scores + j * span;
+        const float *scj = sc + (j / group) * span, *midj = mid + (j / group) * span;
+        float wm = 0.0f;
+#pragma omp simd reduction(+ : wm)
+        for (int64_t u = 0; u < span; u++) {
+            wm += sj[u] * midj[u];
+            sj[u] *= scj[u];
+        }
+        wmid[j] = wm;
+    }
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0) {
+        for (int64_t u0 = 0; u0 < span; u0 += TOKENS) {
+            const int64_t nt = span - u0 < TOKENS ? span - u0 : TOKENS;
+            for (int64_t u = u0 + TOKENS; u < u0 + 2 * TOKENS && u < span; u++)
+                prefetch_bytes(v_cache + slots[u] * row, row);
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                    const int64_t j0 = h * group + g0, n = group - g0 < 4 ? group - g0 : 4;
+                    float *aj = acc + j0 * d;
+                    const float *wj = scores + j0 * span + u0;
+                    int64_t e0 = 0;
+#define WEIGH2(N) weigh_tokens(aj, wj, span, v_cache, slots + u0, nt, row, h, e0, d, N, 2)
+#define WEIGH1(N) weigh_tokens(aj, wj, span, v_cache, slots + u0, nt, row, h, e0, d, N, 1)
+                    for (; e0 + 16 <= d; e0 += 16) BY_FOUR(n, WEIGH2) /* 16 elements: n x 2 sums (measured best) */
+                    for (; e0 < d; e0 += 8) BY_FOUR(n, WEIGH1)
+#undef WEIGH2
+#undef WEIGH1
+                }
+        }
+    } else
+#endif
+    {
+        float w[4];
+        for (int64_t u = 0; u < span; u++) {
+            if (u + 4 * AHEAD < span) prefetch_bytes(v_cache + slots[u + 4 * AHEAD] * row, row);
+            const int8_t *vr = v_cache + slots[u] * row;
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                    const int64_t j0 = h * group + g0, n = group - g0 < 4 ? group - g0 : 4;
+                    for (int64_t g = 0; g < n; g++) w[g] = scores[(j0 + g) * span + u];
+#define AXPY(N) axpy_i8(acc + j0 * d, w, vr + h * d, d, N)
+                    BY_FOUR(n, AXPY)
+#undef AXPY
+                }
+        }
+    }
+    for (int64_t j = 0; j < hq; j++)
+        for (int64_t e = 0; e < d; e++) acc[j * d + e] += wmid[j];
+    if (basis != NULL) /* (sum p y) M, each head's row through qb (the queries are done with) */
+        for (int64_t j = 0; j < hq; j++) {
+            float *aj = acc + j * d, *turned = qb + j * d;
+            for (int64_t e = 0; e < d; e++) turned[e] = 0.0f;
+            for (int64_t f = 0; f < d; f++) {
+                const float x = aj[f], *mf = basis + f * d;
+                for (int64_t e = 0; e < d; e++) turned[e] += x * mf[e];
+            }
+            for (int64_t e = 0; e < d; e++) aj[e] = turned[e];
+        }
+}
+
+/* Decode attention of n sequences into out (see the top of this file). kv_format:
+ * KV_FP32 (k_params, v_params and basis unused) or KV_INT8 (basis NULL: rows stored as
+ * they are). Returns 0, or -1 when scratch memory could not be had or the format is
+ * unknown. */
+int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cache, const uint16_t *k_params,
+                         const uint16_t *v_params, const float *basis, const int64_t *rows, const int32_t *kv_starts,
+                         const int32_t *kv_indices, const int32_t *seq_lens, float *out, int64_t n, int64_t hq,
+                         int64_t hkv, int64_t d, int64_t page_size, float scale, int64_t window, float softcap,
+                         int64_t kv_format) {
+    if (kv_format != KV_FP32 && kv_format != KV_INT8) return -1;
     /* Fewer sequences than twice the threads: split each context into `parts` ranges, so
      * that one long sequence still keeps every thread reading (a thread streams its own
      * contiguous range; splitting by KV head instead measured slower). */
@@ -159,22 +553,48 @@ int radixkv_paged_decode(const float *q, const float *k_cache, const float *v_ca
             for (int64_t j = 0; j < hq; j++) l[j] = 0.0f;
             continue;
         }
-        float *scores = malloc(sizeof(float) * (size_t)(hq * (to - from)));
-        if (scores == NULL) {
+        const int64_t span = to - from;
+        /* scratch: the scores [hq][span]; int8 also keeps the range's slots [span] (first,
+         * for their alignment), two floats per token and KV head, two per query head and
+         * a turned query [hq][d] */
+        const size_t bytes = kv_format == KV_FP32
+                                 ? sizeof(float) * (size_t)(hq * span)
+                                 : sizeof(int64_t) * (size_t)span + sizeof(float) * (size_t)((hq + 2 * hkv) * span + 2 * hq + hq * d);
+        void *scratch = malloc(bytes);
+        if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
         const float *qi = q + rows[i] * hq * d;
         const int32_t *pages = kv_indices + kv_starts[i];
-        /* the common head sizes as constants, so the loops over d unroll into whole vectors */
-        if (d == 64)
-            attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, 64, page_size, scale, softcap);
-        else if (d == 128)
-            attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, 128, page_size, scale, softcap);
-        else
-            attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, d, page_size, scale, softcap);
-        free(scores);
+        if (kv_format == KV_FP32) {
+            const float *kc = k_cache, *vc = v_cache;
+            float *scores = scratch;
+            /* the common head sizes as constants, so the loops over d unroll into whole vectors */
+            if (d == 64)
+                attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, 64, page_size, scale, softcap);
+            else if (d == 128)
+                attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, 128, page_size, scale, softcap);
+            else
+                attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, d, page_size, scale, softcap);
+        } else {
+            const int8_t *kc = k_cache, *vc = v_cache;
+            int64_t *slots = scratch;
+            float *scores = (float *)(slots + span), *sc = scores + hq * span, *mid = sc + hkv * span;
+            float *qsum = mid + hkv * span, *wmid = qsum + hq, *qb = wmid + hq;
+#define INT8_PART(D)                                                                                                 \
+    attend_part_int8(qi, kc, vc, k_params, v_params, basis, pages, from, to, scores, slots, sc, mid, qsum, wmid, qb, acc, \
+                     m, l, hq, hkv, D, page_size, scale, softcap)
+            if (d == 64)
+                INT8_PART(64);
+            else if (d == 128)
+                INT8_PART(128);
+            else
+                INT8_PART(d);
+#undef INT8_PART
+        }
+        free(scratch);
     }
     /* each head's output: its parts rescaled to the largest max, summed, divided by the total weight */
     for (int64_t i = 0; i < n && !failed; i++)

@@ -1,7 +1,18 @@
 """Triton attention backend: paged decode (split-K) and extend kernels.
 
 All kernels read K/V through the page table (``kv_indices``), for any page size, from
-fp16/bf16/fp32 caches, and accumulate in float32.
+fp16/bf16/fp32 caches or int8 ones (``INT8_KV``), and accumulate in float32. They read
+every position from the cache, the new tokens included (the pool stored them before
+attention), so new tokens are attended to as stored: cache on = cache off in any format.
+
+int8 (the ``int8`` format): codes c and, per (slot, KV head), an fp16 (scale, offset);
+the stored row is ``y = (c + 128) * scale + offset``, the original ``x = y @ R^T``
+(``R`` the format's rotation). The kernels read the codes in tiles and fold the scales
+into the products (``q . y = scale * (q . c) + mid * sum(q)``, ``sum p y = (p * scale)
+@ c + sum p * mid`` with ``mid = offset + 128 * scale``); nothing is dequantized to
+memory. The rotation stays outside the kernels: ``q . x = (q @ R) . y`` and
+``sum p x = (sum p y) @ R^T``, so ``forward`` rotates the queries before and the output
+(float32) back after them, two ``[T * Hq, D] x [D, D]`` matmuls per layer.
 
 - ``_decode_partial`` + ``_decode_reduce``: one new token per sequence. Each program
   takes one sequence, one KV head (with all query heads of its GQA group as the rows of
@@ -21,8 +32,10 @@ longest context in blocks) and masks do the rest; both variants share one block 
 Page ids are widened to int64 before slot arithmetic.
 
 ``native_dot``: with a half-precision cache on a GPU, dot products take the cache dtype
-(tensor cores); otherwise (fp32 caches, the CPU interpreter, which computes bf16 wrongly)
-operands are upcast to fp32 and multiplied in IEEE fp32.
+(tensor cores), and with an int8 cache the queries' dtype when it is half precision
+(codes -128..127 convert exactly); otherwise (fp32 caches or queries, the CPU
+interpreter, which computes bf16 wrongly) operands are upcast to fp32 and multiplied in
+IEEE fp32.
 """
 
 from __future__ import annotations
@@ -47,11 +60,11 @@ def _tanh(x):
 
 @triton.jit
 def _attend_block(
-    qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
-    scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
+    qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
+    scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, INT8_KV: tl.constexpr,
 ):  # fmt: skip
     """Fold context positions start..start+BLOCK_N into the online softmax of the query
     rows at positions ``q_pos`` (causal: a row sees positions <= its own).
@@ -59,7 +72,13 @@ def _attend_block(
     Scores are kept in log2 units (``scale`` times log2(e) folded in, ``exp2``), so
     ``m_i`` is a base-2 maximum. ``MASKED=False`` is for blocks every row sees whole
     (inside the sequence, before the first row's position, no window): no bounds, causal
-    or -inf handling."""
+    or -inf handling.
+
+    ``INT8_KV``: the caches hold int8 codes c and ``k_params``/``v_params`` an fp16
+    (scale, offset) per (slot, head); a stored element is ``(c + 128) * scale + offset
+    = c * scale + mid`` with ``mid = offset + 128 * scale``. The scales are folded in,
+    never applied to a tile: ``q . y = scale * (q . c) + mid * sum(q)`` (``qsum``: the
+    rows' sums of q) and ``sum_j p_j y_j = (p * scale) @ c + sum_j p_j mid_j``."""
     pos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         valid = pos < seq_len
@@ -68,14 +87,32 @@ def _attend_block(
     else:
         page = tl.load(kv_indices + page_start + pos // PAGE_SIZE).to(tl.int64)
         kvmask = dmask[None, :]
-    offs = (page * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    offs = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
     if MASKED or not EVEN_D:
         k = tl.load(k_cache + offs, mask=kvmask, other=0.0)
         v = tl.load(v_cache + offs, mask=kvmask, other=0.0)
     else:
         k = tl.load(k_cache + offs)
         v = tl.load(v_cache + offs)
-    if NATIVE_DOT:
+    if INT8_KV:
+        poffs = slot * stride_ps + kvh * stride_ph  # (scale, offset) of each position's row
+        if MASKED:
+            k_scale = tl.load(k_params + poffs, mask=valid, other=0.0).to(tl.float32)
+            k_mid = tl.load(k_params + poffs + 1, mask=valid, other=0.0).to(tl.float32) + 128.0 * k_scale
+            v_scale = tl.load(v_params + poffs, mask=valid, other=0.0).to(tl.float32)
+            v_mid = tl.load(v_params + poffs + 1, mask=valid, other=0.0).to(tl.float32) + 128.0 * v_scale
+        else:
+            k_scale = tl.load(k_params + poffs).to(tl.float32)
+            k_mid = tl.load(k_params + poffs + 1).to(tl.float32) + 128.0 * k_scale
+            v_scale = tl.load(v_params + poffs).to(tl.float32)
+            v_mid = tl.load(v_params + poffs + 1).to(tl.float32) + 128.0 * v_scale
+        if NATIVE_DOT:  # codes -128..127 are exact in fp16 and bf16
+            s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
+        else:
+            s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = s * k_scale[None, :] + qsum[:, None] * k_mid[None, :]
+    elif NATIVE_DOT:
         s = tl.dot(qv, tl.trans(k))
     else:
         s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -96,7 +133,14 @@ def _attend_block(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if NATIVE_DOT:
+    if INT8_KV:
+        pv = p * v_scale[None, :]
+        if NATIVE_DOT:
+            pv = tl.dot(pv.to(qv.dtype), v.to(qv.dtype))
+        else:
+            pv = tl.dot(pv, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv + tl.sum(p * v_mid[None, :], 1)[:, None]
+    elif NATIVE_DOT:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -105,13 +149,13 @@ def _attend_block(
 
 @triton.jit
 def _decode_partial(
-    q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
+    q, k_cache, v_cache, k_params, v_params, kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
     scale, softcap, window, chunk,
-    stride_qt, stride_qh, stride_cs, stride_ch,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_ps, stride_ph,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr, INT8_KV: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -130,21 +174,22 @@ def _decode_partial(
     m_i = tl.full([BLOCK_H], _NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    qsum = tl.sum(qv.to(tl.float32), 1) if INT8_KV else l_i  # int8: what the codes' offsets multiply
     lo = split * chunk
     q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
     if DYNAMIC_LOOP:
         for start in range(lo, tl.minimum(lo + chunk, seq_len), BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
-                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM,
+                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
+                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM, INT8_KV,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
-                qv, k_cache, v_cache, kv_indices, page_start, lo + i * BLOCK_N, seq_len, q_pos, m_i, l_i, acc,
-                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM,
+                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, lo + i * BLOCK_N, seq_len,
+                q_pos, m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM, INT8_KV,
             )  # fmt: skip
     has = l_i > 0
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, _NEG_INF)  # natural log
@@ -177,13 +222,13 @@ def _decode_reduce(
 
 @triton.jit
 def _extend(
-    q, o, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, seq_lens,
+    q, o, k_cache, v_cache, k_params, v_params, qo_indptr, kv_indptr, kv_indices, seq_lens,
     scale, softcap, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_ps, stride_ph,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, PACK_GQA: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr, INT8_KV: tl.constexpr,
 ):  # fmt: skip
     # Grid (heads, row blocks, sequences), heads fastest: programs running side by side
     # read the same sequence's K/V (from L2). Row blocks go last to first, so the ones
@@ -217,6 +262,7 @@ def _extend(
     m_i = tl.full([BLOCK_M], _NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qsum = tl.sum(qv.to(tl.float32), 1) if INT8_KV else l_i  # int8: what the codes' offsets multiply
     even_d = BLOCK_D == HEAD_DIM
     if DYNAMIC_LOOP:
         # Positions before this block's first row are visible to every row: whole
@@ -231,22 +277,22 @@ def _extend(
             full = tl.minimum(first // BLOCK_N * BLOCK_N, hi)
         for start in range(lo, full, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
-                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, False, even_d,
+                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
+                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, False, even_d, INT8_KV,
             )  # fmt: skip
         for start in range(full, hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, k_cache, v_cache, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
-                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d,
+                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
+                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
-                qv, k_cache, v_cache, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos, m_i, l_i, acc,
-                scale, softcap, window, stride_cs, stride_ch, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d,
+                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos,
+                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
+                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV,
             )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(o.dtype.element_ty),
@@ -257,11 +303,34 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+def _int8_kv(kv) -> bool:
+    """Whether ``kv`` holds int8 codes with an fp16 (scale, offset) per (slot, KV head)
+    beside them (the ``int8`` format), which the kernels read with ``INT8_KV``; False
+    for elements stored as they are (fp32, fp16, bf16). Raises ValueError for the other
+    quantized formats (fp8 with per-head scales, int4 quantized per page)."""
+    fmt = kv.format
+    if not fmt.quantized:
+        return False
+    params = (kv.k_params, kv.v_params)
+    if (
+        fmt.dtype == torch.int8
+        and fmt.levels == 256
+        and not fmt.paged
+        and not fmt.head_scaled
+        and all(p is not None and p.dtype == torch.float16 and p.stride(3) == 1 for p in params)
+        and kv.v_params.stride() == kv.k_params.stride()
+        and kv.v.stride() == kv.k.stride()
+    ):
+        return True
+    raise ValueError(f"attention_backend 'triton' cannot read {fmt.dtype} KV yet: use torch or cpu")
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention in Triton. ``plan`` builds the per-batch scalars and tensors once;
     each ``forward`` launches either the decode kernels or the extend kernel."""
 
     name = "triton"
+    quantized_dtypes = frozenset({torch.int8})  # the int8 format's pages; fp8 and int4 are refused
     BLOCK_N = 16  # decode: context positions per loop step
     # extend (BLOCK_M query rows, BLOCK_N context positions), warps, pipeline stages.
     # Half-precision KV on an H100 (bench_attention's extend problem, 2026-11-22, with
@@ -296,29 +365,44 @@ class TritonBackend(AttentionBackend):
         self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
+        # The new tokens' K/V are read from ``kv`` (the pool stored them before this
+        # call), never from ``k``/``v``: attended to as stored, int8 codes included.
         batch = self.batch
         k_cache, v_cache = kv.k, kv.v
         _, hq, dim = q.shape
         hkv = k_cache.shape[2]
         group = hq // hkv
         q = q.contiguous()
-        native = not self.interpret and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
+        out_dtype = q.dtype
+        int8 = _int8_kv(kv)
+        unrotate = kv.format.row_map(dim, q.device) if int8 else None
+        if unrotate is not None:  # q . (y M) = (q M^T) . y: queries into the stored rows' basis
+            q = (q.float() @ unrotate.T).to(out_dtype)
+        dot_dtype = q.dtype if int8 else k_cache.dtype  # int8 codes are converted to the queries' dtype
+        native = not self.interpret and dot_dtype in (torch.float16, torch.bfloat16) and q.dtype == dot_dtype
         flags = dict(
             USE_SOFTCAP=logit_softcap is not None, USE_WINDOW=sliding_window is not None, NATIVE_DOT=native,
             GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=dim, BLOCK_D=_pow2(dim),
-            DYNAMIC_LOOP=not self.interpret,
+            DYNAMIC_LOOP=not self.interpret, INT8_KV=int8,
         )  # fmt: skip
         softcap = float(logit_softcap or 1.0)
         window = int(sliding_window or 0)
         stride_cs, stride_ch = k_cache.stride(1), k_cache.stride(2)  # per slot, per head
-        out = torch.empty_like(q)
+        if int8:
+            k_params, v_params = kv.k_params, kv.v_params
+            stride_ps, stride_ph = k_params.stride(1), k_params.stride(2)
+        else:  # unused by the kernels
+            k_params, v_params, stride_ps, stride_ph = k_cache, v_cache, 0, 0
+        # rotated int8: the output is in the stored basis until multiplied back, in float32
+        out = torch.empty_like(q) if unrotate is None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode:
             b = q.shape[0]
             mid_o = torch.empty(b * hq * self.num_splits, dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(b * hq * self.num_splits, dtype=torch.float32, device=q.device)
             _decode_partial[(b, hkv, self.num_splits)](
-                q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, self.seq_lens, mid_o, mid_lse,
-                scale, softcap, window, self.chunk, q.stride(0), q.stride(1), stride_cs, stride_ch,
+                q, k_cache, v_cache, k_params, v_params, batch.kv_indptr, batch.kv_indices, self.seq_lens,
+                mid_o, mid_lse, scale, softcap, window, self.chunk,
+                q.stride(0), q.stride(1), stride_cs, stride_ch, stride_ps, stride_ph,
                 BLOCK_H=_pow2(group), BLOCK_N=self.BLOCK_N, NUM_SPLITS=self.num_splits,
                 NUM_BLOCKS=self._static_blocks(self.chunk, self.BLOCK_N), **flags,
             )  # fmt: skip
@@ -332,13 +416,15 @@ class TritonBackend(AttentionBackend):
             block_q = block_m // group if pack else block_m
             grid = (hkv if pack else hq, triton.cdiv(self.max_qo_len, block_q), len(batch.qo_lens))
             _extend[grid](
-                q, out, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens,
-                scale, softcap, window,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch,
+                q, out, k_cache, v_cache, k_params, v_params,
+                batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens, scale, softcap, window,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch, stride_ps, stride_ph,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, PACK_GQA=pack,
                 NUM_BLOCKS=self._static_blocks(self.max_seq_len, block_n), **flags,
                 num_warps=self.EXTEND_WARPS, num_stages=self.EXTEND_STAGES,
             )  # fmt: skip
+        if unrotate is not None:  # sum p (y M) = (sum p y) M
+            out = (out @ unrotate).to(out_dtype)
         return out
 
     def _static_blocks(self, tokens: int, block: int) -> int:

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from test_attention import check_against_dense, random_case
+from test_attention import check_against_dense, int8_case, random_case
 
+from radixkv.cache.formats import kv_format
 from radixkv.kernels import build, cpu_backend, get_backend
 from radixkv.kernels.torch_ref import TorchBackend
 
@@ -77,6 +78,84 @@ def test_half_precision_cache_uses_the_reference_path(cpu):
     assert torch.equal(cpu.forward(q, k, v, kv, 0.125), expected)
 
 
+# -- int8 pages, read in place ----------------------------------------------------------
+
+# The reference dequantizes in float32, the kernel folds the scales into its sums: the
+# reassociation measures about 1e-6 on these unit-variance outputs; this leaves 20x.
+INT8_TOL = 2e-5
+
+
+def spy_on_kernel(impl, monkeypatch):
+    """Record the KV format code of each call of the C kernel."""
+    formats, lib = [], impl._lib
+
+    class Spy:
+        def radixkv_paged_decode(self, *args):
+            formats.append(args[-1])
+            return lib.radixkv_paged_decode(*args)
+
+    monkeypatch.setattr(impl, "_lib", Spy())
+    return formats
+
+
+# head sizes: 64 compiled in, 24 a multiple of 8 (vector loops), 20 neither (scalar loops)
+@pytest.mark.parametrize("page_size, hq, hkv, dim", [
+    (16, 9, 3, 64), (1, 9, 3, 64), (16, 8, 1, 64), (1, 8, 1, 24), (16, 9, 3, 24), (16, 8, 1, 20), (1, 9, 3, 20),
+])  # fmt: skip
+def test_int8_decode_reads_pages_in_place(cpu, monkeypatch, page_size, hq, hkv, dim):
+    """Ragged contexts: shorter than a block of 8 tokens, at page edges, whole blocks and a
+    tail; unwritten slots hold NaN parameters, so a slot read past a context shows."""
+    lens, prefixes = [1] * 6, [0, 7, 15, 16, 300, 77]
+    case, _, _ = int8_case(11, lens, prefixes, page_size, hq, hkv, dim)
+    formats = spy_on_kernel(cpu, monkeypatch)
+    check_against_dense(cpu, case, lens, scale=0.125, tol=INT8_TOL)
+    assert formats == [cpu_backend._KV_INT8]
+
+
+@pytest.mark.parametrize("page_size, prefixes", [(16, [3000, 40]), (1, [3000])])  # few: contexts split in ranges
+def test_int8_long_context_window_and_softcap(cpu, page_size, prefixes):
+    lens = [1] * len(prefixes)
+    case, _, _ = int8_case(5, lens, prefixes, page_size, 9, 3, 64)
+    for window, softcap in [(None, None), (100, None), (None, 30.0), (7, 2.0), (1, None)]:
+        check_against_dense(cpu, case, lens, scale=0.125, window=window, softcap=softcap, tol=INT8_TOL)
+
+
+def test_int8_mixed_batch_sends_decode_rows_to_the_kernel(cpu, monkeypatch):
+    lens, prefixes = [1, 12, 1, 30], [50, 7, 3, 0]  # the last one attends only to its own new K/V, as stored
+    case, _, _ = int8_case(2, lens, prefixes, 4, 9, 3, 64)
+    calls = spy_on_sdpa_path(cpu, monkeypatch)
+    formats = spy_on_kernel(cpu, monkeypatch)
+    check_against_dense(cpu, case, lens, scale=0.125, tol=INT8_TOL)
+    assert calls == [frozenset({0, 2})] and formats == [cpu_backend._KV_INT8]
+
+
+def test_int8_with_half_precision_queries_uses_the_reference_path(cpu, monkeypatch):
+    (batch, q, k, v, kv, *_), _, _ = int8_case(4, [1, 1], [20, 33], 16, 9, 3, 64)
+    q, k, v = q.half(), k.half(), v.half()
+    ref = TorchBackend()
+    ref.plan(batch)
+    expected = ref.forward(q, k, v, kv, 0.125)
+    formats = spy_on_kernel(cpu, monkeypatch)
+    cpu.plan(batch)
+    assert torch.equal(cpu.forward(q, k, v, kv, 0.125), expected) and formats == []
+
+
+@pytest.mark.parametrize("dim", [64, 24])
+def test_int8_row_map_is_what_dequantize_applies(dim):
+    """The kernels read stored rows y = codes * scale + offset and map q and the output
+    through M = format.row_map, which must be the map from y to what dequantize returns
+    (a rotation's transpose, or None for none)."""
+    fmt = kv_format("int8")
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (5, 3, dim), generator=g).to(torch.int8)
+    params = (torch.rand(5, 3, 2, generator=g) + 0.1).to(torch.float16)
+    p = params.float()
+    y = (codes.float() + 128) * p[..., :1] + p[..., 1:]
+    m = fmt.row_map(dim)
+    assert m is not None and torch.allclose(m @ m.T, torch.eye(dim), atol=1e-5)  # orthonormal
+    torch.testing.assert_close(y if m is None else y @ m, fmt.dequantize(codes, params, torch.float32))
+
+
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """No library loaded yet in this process, and an empty cache directory."""
@@ -132,3 +211,14 @@ def test_an_unwritable_cache_directory_raises_importerror(fresh_build, monkeypat
     monkeypatch.setenv("RADIXKV_CACHE_DIR", str(blocker / "cache"))  # a directory below a file
     with pytest.raises(ImportError, match="unavailable"):
         get_backend("cpu")
+
+
+@needs_compiler
+def test_a_build_without_native_instructions_reads_both_formats(fresh_build, monkeypatch):
+    """Without -march=native (x86-64: no AVX2, FMA or F16C) the kernel's portable loops
+    and fp16 conversion run: same results within the same tolerances."""
+    monkeypatch.setattr(cpu_backend, "FLAGS", tuple(f for f in cpu_backend.FLAGS if f != "-march=native"))
+    impl = get_backend("cpu")
+    lens, prefixes = [1, 1], [40, 700]
+    check_against_dense(impl, int8_case(3, lens, prefixes, 16, 9, 3, 64)[0], lens, 0.125, softcap=5.0, tol=INT8_TOL)
+    check_against_dense(impl, random_case(3, lens, prefixes, 16, 9, 3, torch.float32, dim=24), lens, 0.125)

@@ -67,6 +67,8 @@ def test_quantized_cache_on_equals_off_and_batched_equals_alone(kv_dtype, dtype)
         alone = [cold.generate(p, greedy).token_ids for p in prompts]
     with Engine(kv_dtype=kv_dtype, kv_cache_tokens=4096, page_size=4) as warm:
         assert warm.pool.format.name == kv_dtype and warm.pool.k[0].dtype == dtype
+        pool_stats = warm.stats()["pool"]
+        assert pool_stats["kv_format"].startswith(f"{kv_dtype}/rot-") and pool_stats["bytes_per_page"] == warm.pool.config.bytes_per_page
         first = warm.generate(prompts[0], greedy)
         batched = warm.generate(prompts, [greedy] * 3)
         warm.check_integrity()

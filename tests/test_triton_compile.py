@@ -16,11 +16,16 @@ import pytest
 
 POINTERS = {"mid_o": "*fp32", "mid_lse": "*fp32",
             "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "qo_indptr": "*i32"}  # fmt: skip
-DATA = {"q", "o", "k_cache", "v_cache"}
+DATA = {"q", "o", "k_cache", "v_cache", "k_params", "v_params"}
+INT8 = {"o": "*fp32", "k_cache": "*i8", "v_cache": "*i8", "k_params": "*fp16", "v_params": "*fp16"}
 FLOATS = {"scale", "softcap"}
 
 
-def compile_kernel(kernel, dtype, **constexprs):
+def compile_kernel(kernel, dtype, kv=None, **constexprs):
+    """Compile ``kernel`` for sm_90 with its data pointers of ``dtype``. ``kv="i8"``: int8
+    caches with fp16 (scale, offset) parameters and a float32 output (``INT8_KV``);
+    otherwise the caches are ``dtype`` too and the parameter pointers (unused) take the
+    caches, as ``TritonBackend.forward`` passes them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,6 +35,8 @@ def compile_kernel(kernel, dtype, **constexprs):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
+        elif kv == "i8" and name in INT8:
+            signature[name] = INT8[name]
         elif name in DATA:
             signature[name] = f"*{dtype}"
         elif name in POINTERS:
@@ -46,11 +53,16 @@ def compile_kernel(kernel, dtype, **constexprs):
 
 ATTN = dict(PAGE_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=16, NUM_BLOCKS=1)
 VARIANTS = [
-    # dtype, native dot, dynamic loops (the GPU path), softcap, window, group
-    ("fp16", True, True, False, False, 4),
-    ("bf16", True, True, True, True, 8),
-    ("fp32", False, True, False, False, 1),
-    ("bf16", False, False, False, True, 4),  # what the interpreter runs
+    # dtype (of the queries), native dot, dynamic loops (the GPU path), softcap, window, group, cache
+    ("fp16", True, True, False, False, 4, None),
+    ("bf16", True, True, True, True, 8, None),
+    ("fp32", False, True, False, False, 1, None),
+    ("bf16", False, False, False, True, 4, None),  # what the interpreter runs
+    # int8 caches (codes + fp16 scale and offset): half queries on tensor cores, fp32 queries in IEEE fp32
+    ("fp16", True, True, False, False, 4, "i8"),
+    ("bf16", True, True, True, True, 8, "i8"),
+    ("fp32", False, True, False, True, 3, "i8"),
+    ("fp32", False, False, True, True, 3, "i8"),  # what the interpreter runs
 ]
 
 
@@ -58,16 +70,17 @@ def compile_all() -> int:
     from radixkv.kernels import triton_backend as tb
 
     count = 0
-    for dtype, native, dynamic, softcap, window, group in VARIANTS:
-        flags = dict(USE_SOFTCAP=softcap, USE_WINDOW=window, NATIVE_DOT=native, DYNAMIC_LOOP=dynamic, GROUP=group)
-        compile_kernel(tb._decode_partial, dtype, BLOCK_H=16, NUM_SPLITS=8, **flags, **ATTN)
-        compile_kernel(tb._extend, dtype, BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **ATTN)
-        compile_kernel(tb._extend, dtype, BLOCK_M=64, BLOCK_Q=64 // group, PACK_GQA=True, **flags, **ATTN)
+    for dtype, native, dynamic, softcap, window, group, kv in VARIANTS:
+        flags = dict(USE_SOFTCAP=softcap, USE_WINDOW=window, NATIVE_DOT=native, DYNAMIC_LOOP=dynamic, GROUP=group,
+                     INT8_KV=kv == "i8")  # fmt: skip
+        compile_kernel(tb._decode_partial, dtype, kv, BLOCK_H=16, NUM_SPLITS=8, **flags, **ATTN)
+        compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **ATTN)
+        compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64 // group, PACK_GQA=True, **flags, **ATTN)
         count += 3
-        if native and dynamic:  # the tiles the GPU runs for half-precision KV
+        if native and dynamic:  # the tiles the GPU runs for half-precision queries (and KV, or int8 KV)
             block_m, block_n = tb.TritonBackend.EXTEND_HALF
             tiles = dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, PACK_GQA=True, BLOCK_N=block_n)
-            compile_kernel(tb._extend, dtype, **flags, **{**ATTN, **tiles})
+            compile_kernel(tb._extend, dtype, kv, **flags, **{**ATTN, **tiles})
             count += 1
     for dtype in ("fp16", "bf16", "fp32"):
         compile_kernel(tb._decode_reduce, dtype, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8)

@@ -169,6 +169,18 @@ class KVFormat:
             x = x @ rotation(x.shape[-1], x.device).T
         return x.to(dtype)
 
+    def row_map(self, dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """What a stored row (codes with their scale and offset applied) is multiplied by
+        to read back: ``R^T`` (``[dim, dim]`` float32, contiguous) for a rotated format,
+        None otherwise. A kernel that reads codes in place rotates its queries by it
+        (``q . (y M) = (q M^T) . y``) and its weighted sums of V back with it."""
+        if not self.rotated:
+            return None
+        key = (dim, str(device))
+        if key not in _ROW_MAPS:
+            _ROW_MAPS[key] = rotation(dim, device).T.contiguous()
+        return _ROW_MAPS[key]
+
     def round_trip(self, x: torch.Tensor, head_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` as a backend reads it back after the pool stored it, in ``x.dtype``."""
         if not self.quantized and x.dtype == self.dtype:
@@ -178,6 +190,7 @@ class KVFormat:
 
 
 _ROTATIONS: dict[tuple[int, str], torch.Tensor] = {}
+_ROW_MAPS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def rotation(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -229,7 +229,9 @@ class EngineLoop:
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "preemptions": self.scheduler.preemptions,
-            "pool": {"pages": self.pool.num_pages, "free": self.pool.num_free(), "page_size": self.pool.page_size},
+            "pool": {"pages": self.pool.num_pages, "free": self.pool.num_free(), "page_size": self.pool.page_size,
+                     "kv_format": self.pool.identity, "bytes_per_page": self.pool.config.bytes_per_page,
+                     "staged_pages": self.pool.sealer.staged_pages() if self.pool.sealer else 0},
             "cache": tree,
         }
 
