@@ -83,10 +83,7 @@ class TorchBackend(AttentionBackend):
                     if sliding_window is not None:
                         mask &= kv_pos > q_pos - sliding_window
                     masks[i] = mask
-                if logit_softcap is None:
-                    oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-                else:
-                    oi = _attend(qi, ki, vi, mask, scale, logit_softcap)
+                oi = _attend_masked(qi, ki, vi, mask, scale, logit_softcap)
             out[start : start + n] = oi[0].transpose(0, 1)
             start += n
 
@@ -117,10 +114,7 @@ class TorchBackend(AttentionBackend):
             mask = torch.cat([visible & (kv_pos < own_start), visible & (kv_pos >= own_start)], 1)
             ki, vi = torch.cat([k_sealed, k_own]), torch.cat([v_sealed, v_own])
             qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[start : start + n], ki, vi))
-            if logit_softcap is None:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            else:
-                oi = _attend(qi, ki, vi, mask, scale, logit_softcap)
+            oi = _attend_masked(qi, ki, vi, mask, scale, logit_softcap)
             out[start : start + n] = oi[0].transpose(0, 1)
             start += n
 
@@ -134,11 +128,14 @@ class TorchBackend(AttentionBackend):
             mask &= self.pad_pos >= self.pad_len - sliding_window
         mask = mask[:, None, None, :]
         qb = q[:, :, None, :]  # [B, Hq, 1, D]
-        if logit_softcap is None:
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
-        else:
-            out = _attend(qb, kb, vb, mask, scale, logit_softcap)
-        return out[:, :, 0, :]
+        return _attend_masked(qb, kb, vb, mask, scale, logit_softcap)[:, :, 0, :]
+
+
+def _attend_masked(q, k, v, mask, scale, logit_softcap):
+    """Attention under a boolean ``mask``: SDPA, or explicitly with soft-capped logits."""
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _attend(q, k, v, mask, scale, logit_softcap)
 
 
 def _attend(q, k, v, mask, scale, logit_softcap):
