@@ -326,7 +326,7 @@ def int4_case(seed, lens, prefixes, page_size, hq, hkv, dim=16):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("lens, prefixes", CASES + [([1, 3, 20], [15, 14, 31])])  # decodes and chunks that fill pages
-@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_int4_reads_earlier_pages_sealed_and_its_own_page_in_full(backend, lens, prefixes, page_size):
     """A query reads the pages before its own page as sealed (int4, dequantized) and its
     own page's tokens up to itself exactly as computed, whether they came in this
