@@ -391,9 +391,7 @@ def decode_speed(model, formats: list[str], batch: int, context: int, repeats: i
         if "int8" in formats:
             ref = get_backend("torch")
             torch_path = timed(lambda f: attention(f, ref), ["int8"], max(2, repeats // 3))["int8"]
-    kv_bytes = {f: sum(t.numel() * t.element_size() for t in (*pools[f].k, *pools[f].v,
-                                                           *(pools[f].k_params or ()), *(pools[f].v_params or ())))
-            for f in formats}  # fmt: skip
+    kv_bytes = {f: pools[f].num_pages * pools[f].config.bytes_per_page for f in formats}
     rows = {"shape": {"layers": c.num_layers, "q_heads": c.num_heads, "kv_heads": c.num_kv_heads,
                       "head_dim": c.head_dim, "batch": batch, "context": context, "page_size": PAGE},
             "fill_seconds": fill_s, "load_average_1min": [load_before, os.getloadavg()[0]], "formats": {}}  # fmt: skip

@@ -123,8 +123,6 @@ def _kernel_format(q: torch.Tensor, kv) -> int | None:
     params = (kv.k_params, kv.v_params)
     int8 = (
         kv.format.name == "int8"
-        and kv.format.levels == 256
-        and not getattr(kv.format, "paged", False)
         and all(t.dtype == torch.int8 for t in caches)
         and all(p.dtype == torch.float16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
         and all(p.shape == (*c.shape[:3], 2) for p, c in zip(params, caches))

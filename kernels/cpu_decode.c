@@ -202,21 +202,31 @@ INLINE __m256 codes8(const int8_t *c) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* a[g] = lane-wise partial sums of q_g . codes for g < n (n <= 4; the others 0), over d
+ * (a multiple of 8): each 8 codes converted once for the n query heads */
+INLINE void partial_dots_i8(const float *q, const int8_t *c, int64_t d, int n, __m256 a[4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t e = 0; e < d; e += 8) {
+        const __m256 x = codes8(c + e);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x, a0);
+        if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + e), x, a1);
+        if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * d + e), x, a2);
+        if (n > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * d + e), x, a3);
+    }
+    a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
+}
+#endif
+
 /* out[g] = sum_e q[g * d + e] * c[e] for g < n (n <= 4): n query heads of one group
  * against one KV head's codes, each code converted once for all n */
 INLINE void dots_i8(const float *q, const int8_t *c, int64_t d, int n, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (d % 8 == 0) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t e = 0; e < d; e += 8) {
-            const __m256 x = codes8(c + e);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x, a0);
-            if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + e), x, a1);
-            if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * d + e), x, a2);
-            if (n > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * d + e), x, a3);
-        }
+        __m256 a[4];
+        partial_dots_i8(q, c, d, n, a);
         /* the four sums at once: pairwise adds leave [a0 a1 a2 a3] in each 128-bit half */
-        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
         _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
         return;
     }
@@ -328,19 +338,9 @@ INLINE void dots_8_tokens(const float *q, const int8_t *k_cache, const int64_t *
     __m256 sums[4][8];
     for (int t = 0; t < 8; t++) {
         if (ahead != NULL) prefetch_bytes(k_cache + ahead[t] * row, row);
-        const int8_t *c = k_cache + slots[t] * row + head * d;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t e = 0; e < d; e += 8) {
-            const __m256 x = codes8(c + e);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x, a0);
-            if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + e), x, a1);
-            if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * d + e), x, a2);
-            if (n > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * d + e), x, a3);
-        }
-        sums[0][t] = a0;
-        if (n > 1) sums[1][t] = a1;
-        if (n > 2) sums[2][t] = a2;
-        if (n > 3) sums[3][t] = a3;
+        __m256 a[4];
+        partial_dots_i8(q, k_cache + slots[t] * row + head * d, d, n, a);
+        for (int g = 0; g < n; g++) sums[g][t] = a[g];
     }
     for (int g = 0; g < n; g++) _mm256_storeu_ps(out + g * span, sum8x8(sums[g]));
 }

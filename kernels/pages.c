@@ -15,6 +15,7 @@
  *   NOT_OWNED     hold: an id's reference count is 0
  *   NOT_SOLE      free_sole: an id's reference count is not 1
  *   NO_ROOM       free_sole: the free stack cannot take them (a broken caller)
+ * kernels/pages.py holds the same codes by name for both implementations.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,24 +44,41 @@ static int check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fn) {
     return -1;
 }
 
+/* The id buffers args[at[i]] into views[i] for i < n (writable where writable[i]); on
+ * failure the ones already taken are released and -1 returned. */
+static int get_all(PyObject *const *args, const int *at, const int *writable, const char *const *names, int n,
+                   Py_buffer *views) {
+    for (int i = 0; i < n; i++) {
+        if (get_ids(args[at[i]], &views[i], writable[i], names[i]) < 0) {
+            while (i--) PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_all(Py_buffer *views, int n) {
+    while (n--) PyBuffer_Release(&views[n]);
+}
+
 /* fill(arr, ids, value) -> 0 | OUT_OF_RANGE: arr[ids] = value, nothing written on refusal. */
 static PyObject *fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer a, ids;
+    static const int at[] = {0, 1}, writable[] = {1, 0};
+    static const char *const names[] = {"arr", "ids"};
+    Py_buffer b[2];
     if (check_nargs(nargs, 3, "fill") < 0) return NULL;
     long value = PyLong_AsLong(args[2]);
     if (value == -1 && PyErr_Occurred()) return NULL;
-    if (get_ids(args[0], &a, 1, "arr") < 0) return NULL;
-    if (get_ids(args[1], &ids, 0, "ids") < 0) { PyBuffer_Release(&a); return NULL; }
-    int32_t *arr = a.buf;
-    const uint32_t *p = ids.buf;
-    uint64_t size = (uint64_t)a.shape[0], n = (uint64_t)ids.shape[0];
+    if (get_all(args, at, writable, names, 2, b) < 0) return NULL;
+    int32_t *arr = b[0].buf;
+    const uint32_t *p = b[1].buf;
+    uint64_t size = (uint64_t)b[0].shape[0], n = (uint64_t)b[1].shape[0];
     long status = 0;
     for (uint64_t i = 0; i < n; i++)
         if (p[i] >= size) { status = OUT_OF_RANGE; break; }
     if (!status)
         for (uint64_t i = 0; i < n; i++) arr[p[i]] = (int32_t)value;
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&a);
+    release_all(b, 2);
     return PyLong_FromLong(status);
 }
 
@@ -68,19 +86,19 @@ static PyObject *fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
  * mark ids held (held[id] = 1) if each is in range, not held yet, listed once, and
  * (when owned is true) has a reference count above 0. */
 static PyObject *hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer h, r, ids;
+    static const int at[] = {0, 1, 2}, writable[] = {1, 0, 0};
+    static const char *const names[] = {"held", "refs", "ids"};
+    Py_buffer b[3];
     if (check_nargs(nargs, 4, "hold") < 0) return NULL;
     int owned = PyObject_IsTrue(args[3]);
     if (owned < 0) return NULL;
-    if (get_ids(args[0], &h, 1, "held") < 0) return NULL;
-    if (get_ids(args[1], &r, 0, "refs") < 0) { PyBuffer_Release(&h); return NULL; }
-    if (get_ids(args[2], &ids, 0, "ids") < 0) { PyBuffer_Release(&r); PyBuffer_Release(&h); return NULL; }
-    int32_t *held = h.buf;
-    const int32_t *refs = r.buf;
-    const uint32_t *p = ids.buf;
-    uint64_t size = (uint64_t)h.shape[0], n = (uint64_t)ids.shape[0];
+    if (get_all(args, at, writable, names, 3, b) < 0) return NULL;
+    int32_t *held = b[0].buf;
+    const int32_t *refs = b[1].buf;
+    const uint32_t *p = b[2].buf;
+    uint64_t size = (uint64_t)b[0].shape[0], n = (uint64_t)b[2].shape[0];
     long status = 0;
-    if ((uint64_t)r.shape[0] < size) size = (uint64_t)r.shape[0];
+    if ((uint64_t)b[1].shape[0] < size) size = (uint64_t)b[1].shape[0];
     /* One pass per check, so that the first failing check is the one reported. */
     for (uint64_t i = 0; i < n && !status; i++)
         if (p[i] >= size) status = OUT_OF_RANGE;
@@ -96,9 +114,7 @@ static PyObject *hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             held[p[i]] = 1;
         }
     }
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&r);
-    PyBuffer_Release(&h);
+    release_all(b, 3);
     return PyLong_FromLong(status);
 }
 
@@ -106,18 +122,18 @@ static PyObject *hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
  * ids whose reference count is 1, each listed once, go to 0 and onto the free stack
  * stack[top:], pushed last id first so that the first listed is on top. */
 static PyObject *free_sole(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer r, s, ids;
+    static const int at[] = {0, 1, 3}, writable[] = {1, 1, 0};
+    static const char *const names[] = {"refs", "stack", "ids"};
+    Py_buffer b[3];
     if (check_nargs(nargs, 4, "free_sole") < 0) return NULL;
     Py_ssize_t top = PyLong_AsSsize_t(args[2]);
     if (top == -1 && PyErr_Occurred()) return NULL;
-    if (get_ids(args[0], &r, 1, "refs") < 0) return NULL;
-    if (get_ids(args[1], &s, 1, "stack") < 0) { PyBuffer_Release(&r); return NULL; }
-    if (get_ids(args[3], &ids, 0, "ids") < 0) { PyBuffer_Release(&s); PyBuffer_Release(&r); return NULL; }
-    int32_t *refs = r.buf, *stack = s.buf;
-    const uint32_t *p = ids.buf;
-    uint64_t size = (uint64_t)r.shape[0], n = (uint64_t)ids.shape[0];
+    if (get_all(args, at, writable, names, 3, b) < 0) return NULL;
+    int32_t *refs = b[0].buf, *stack = b[1].buf;
+    const uint32_t *p = b[2].buf;
+    uint64_t size = (uint64_t)b[0].shape[0], n = (uint64_t)b[2].shape[0];
     long long status = 0;
-    if (top < 0 || (uint64_t)top + n > (uint64_t)s.shape[0]) status = NO_ROOM;
+    if (top < 0 || (uint64_t)top + n > (uint64_t)b[1].shape[0]) status = NO_ROOM;
     for (uint64_t i = 0; i < n && !status; i++)
         if (p[i] >= size) status = OUT_OF_RANGE;
     for (uint64_t i = 0; i < n && !status; i++)
@@ -134,9 +150,7 @@ static PyObject *free_sole(PyObject *self, PyObject *const *args, Py_ssize_t nar
         for (uint64_t i = 0; i < n; i++) stack[top + (Py_ssize_t)(n - 1 - i)] = (int32_t)p[i];
         status = (long long)top + (long long)n;
     }
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&r);
+    release_all(b, 3);
     return PyLong_FromLongLong(status);
 }
 
@@ -150,14 +164,4 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_radixkv_pages", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__radixkv_pages(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (!m) return NULL;
-    if (PyModule_AddIntConstant(m, "OUT_OF_RANGE", OUT_OF_RANGE) < 0 || PyModule_AddIntConstant(m, "HELD", HELD) < 0 ||
-        PyModule_AddIntConstant(m, "TWICE", TWICE) < 0 || PyModule_AddIntConstant(m, "NOT_OWNED", NOT_OWNED) < 0 ||
-        PyModule_AddIntConstant(m, "NOT_SOLE", NOT_SOLE) < 0 || PyModule_AddIntConstant(m, "NO_ROOM", NO_ROOM) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__radixkv_pages(void) { return PyModule_Create(&module); }

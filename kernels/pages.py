@@ -32,6 +32,7 @@ import numpy as np
 from radixkv.kernels import build
 
 SOURCE = Path(__file__).with_name("pages.c")
+# pages.c's status codes (its enum), which both implementations return
 OUT_OF_RANGE, HELD, TWICE, NOT_OWNED, NOT_SOLE, NO_ROOM = -1, -2, -3, -4, -5, -6
 _MARKS = np.arange(1, 1 << 16, dtype=np.int32)
 
@@ -40,7 +41,6 @@ class NumpyPages:
     """``pages.c``'s contract in numpy (the fallback, and the reference in tests)."""
 
     name = "numpy"
-    OUT_OF_RANGE, HELD, TWICE, NOT_OWNED, NOT_SOLE, NO_ROOM = OUT_OF_RANGE, HELD, TWICE, NOT_OWNED, NOT_SOLE, NO_ROOM
 
     @staticmethod
     def fill(arr: np.ndarray, ids: np.ndarray, value: int) -> int:

@@ -63,10 +63,8 @@ def _sizes(text: str) -> tuple[int, ...]:
         part = part.strip()
         number = part.rstrip("BbKkMmGgTtIi")
         unit = part[len(number) :].lower()
-        if unit.endswith("ib") or unit in ("kb", "mb", "gb", "tb"):
-            pass
-        elif unit.endswith("b"):
-            unit = unit[:-1]
+        if unit not in _UNITS:
+            unit = unit.removesuffix("b")  # "B" (bytes), "GB" listed, "GiB" listed
         try:
             value = float(number) * _UNITS[unit]
         except (ValueError, KeyError):
@@ -222,17 +220,10 @@ def cmd_sim(args) -> int:
     if args.chunk_size < 0:
         print("radixkv sim: --chunk-size must be >= 0", file=sys.stderr)
         return 2
-    if args.pool_bytes:
+    if args.pool_bytes:  # a model that cannot be read, or a pool too small for a page: main's error exit
         per_page = _bytes_per_page(args.model, args.kv_dtype, args.page_size)
-        if isinstance(per_page, str):
-            print(f"radixkv sim: {per_page}", file=sys.stderr)
-            return 2
-        try:
-            result = sim.byte_sweep(trace, args.page_size, args.pool_bytes, per_page, args.policy, args.in_flight,
-                                    chunk_size=args.chunk_size or None)  # fmt: skip
-        except ValueError as e:
-            print(f"radixkv sim: {e}", file=sys.stderr)
-            return 2
+        result = sim.byte_sweep(trace, args.page_size, args.pool_bytes, per_page, args.policy, args.in_flight,
+                                chunk_size=args.chunk_size or None)  # fmt: skip
         table = sim.format_byte_table(result)
     else:
         result = sim.sweep(
@@ -251,18 +242,14 @@ def cmd_sim(args) -> int:
     return 0
 
 
-def _bytes_per_page(model: str | None, formats: tuple[str, ...], page_size: int) -> dict[str, int] | str:
-    """Bytes of one page per KV format for ``model``'s KV shape; an error message when
-    the model cannot be read."""
+def _bytes_per_page(model: str | None, formats: tuple[str, ...], page_size: int) -> dict[str, int]:
+    """Bytes of one page per KV format for ``model``'s KV shape (read from its metadata).
+    Raises ValueError (ModelLoadError) or OSError when the model cannot be read."""
     from radixkv.cache.formats import kv_format
-    from radixkv.errors import ModelLoadError
     from radixkv.model import resolve_model
     from radixkv.model.loader import load_config
 
-    try:
-        config = load_config(resolve_model(model) if model else resolve_model())
-    except (ModelLoadError, ValueError, OSError) as e:
-        return f"--model: {e}"
+    config = load_config(resolve_model(model) if model else resolve_model())
     shape = (config.num_layers, page_size, config.num_kv_heads, config.head_dim)
     return {name: kv_format(name).bytes_per_page(*shape) for name in formats}
 

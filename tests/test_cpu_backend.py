@@ -153,7 +153,7 @@ def test_int8_row_map_is_what_dequantize_applies(dim):
     y = (codes.float() + 128) * p[..., :1] + p[..., 1:]
     m = fmt.row_map(dim)
     assert m is not None and torch.allclose(m @ m.T, torch.eye(dim), atol=1e-5)  # orthonormal
-    torch.testing.assert_close(y if m is None else y @ m, fmt.dequantize(codes, params, torch.float32))
+    torch.testing.assert_close(y @ m, fmt.dequantize(codes, params, torch.float32))
 
 
 @pytest.fixture

@@ -74,6 +74,15 @@ class KVFormat:
         head from a scale file): what only some backends read."""
         return self.scale_dtype is not None or self.head_scaled
 
+    def check_scales(self, given: bool) -> None:
+        """ValueError unless scales are given exactly when the format takes them (the
+        fp8 formats: a scale file, or ``unity``)."""
+        if self.head_scaled and not given:
+            raise ValueError(f"kv_dtype {self.name} needs kv_scales: a JSON scale file (per layer and KV head, see "
+                             f"README) or 'unity' (every scale 1; values beyond the format's range saturate)")  # fmt: skip
+        if not self.head_scaled and given:
+            raise ValueError(f"kv_scales applies to the fp8 KV formats only, not kv_dtype {self.name}")
+
     def identity(self, scales: KVScales | None = None) -> str:
         """What a stored page's bytes depend on besides its tokens and the model: the
         format, its scheme and, for a head-scaled format, the scale file's digest. Pages
@@ -102,12 +111,8 @@ class KVFormat:
         page_size, H, 2]``); codes two per byte (``[P, page_size, H, D / 2]`` uint8, the
         even channel in the low nibble). Rows are rotated first when ``rotated``.
         Returns (k codes, k params, v codes, v params)."""
-        kf, vf = k.float(), v.float()
-        if self.rotated:
-            r = rotation(kf.shape[-1], kf.device)
-            kf, vf = kf @ r, vf @ r
-        kc, kp = self._minmax_codes(kf, 1)  # over the page's tokens: per channel
-        vc, vp = self._minmax_codes(vf, -1)  # over a row's channels: per token
+        kc, kp = self._minmax_codes(self._rotate(k), 1)  # over the page's tokens: per channel
+        vc, vp = self._minmax_codes(self._rotate(v), -1)  # over a row's channels: per token
         return _pack4(kc), kp, _pack4(vc), vp
 
     def dequantize_k_rows(self, codes: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -130,8 +135,14 @@ class KVFormat:
         codes = torch.round((x - offset.unsqueeze(dim)) / scale.unsqueeze(dim)).clamp_(0, self.levels - 1)
         return codes.to(torch.uint8), torch.stack((scale, offset), -1).to(self.scale_dtype)
 
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows as float32, rotated when the format stores them rotated."""
+        x = x.float()
+        return x @ rotation(x.shape[-1], x.device) if self.rotated else x
+
     def _unrotate(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (x @ rotation(x.shape[-1], x.device).T if self.rotated else x).to(dtype)
+        """Stored (rotated) float32 rows back to the model's basis, in ``dtype``."""
+        return (x @ self.row_map(x.shape[-1], x.device) if self.rotated else x).to(dtype)
 
     def quantize(self, x: torch.Tensor, head_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` (``[..., H, D]``, any float dtype) as stored: the elements in ``dtype``
@@ -146,14 +157,8 @@ class KVFormat:
             return (x.float() / head_scale[:, None]).clamp_(-top, top).to(self.dtype), None
         if not self.quantized:
             return x.to(self.dtype), None
-        xf = x.float()
-        if self.rotated:
-            xf = xf @ rotation(xf.shape[-1], xf.device)
-        half = self.levels // 2
-        offset = xf.amin(-1).to(self.scale_dtype).float()
-        scale = ((xf.amax(-1) - offset) / (self.levels - 1)).clamp_min(_MIN_SCALE).to(self.scale_dtype).float()
-        q = torch.round((xf - offset[..., None]) / scale[..., None]).clamp_(0, self.levels - 1).sub_(half)
-        return q.to(self.dtype), torch.stack((scale, offset), -1).to(self.scale_dtype)
+        codes, params = self._minmax_codes(self._rotate(x), -1)
+        return (codes.to(torch.int16) - self.levels // 2).to(self.dtype), params
 
     def dequantize(self, q: torch.Tensor, params: torch.Tensor | None, dtype: torch.dtype,
                    head_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -164,10 +169,7 @@ class KVFormat:
         if params is None:
             return q.to(dtype)
         p = params.float()
-        x = (q.float() + self.levels // 2) * p[..., 0, None] + p[..., 1, None]
-        if self.rotated:
-            x = x @ rotation(x.shape[-1], x.device).T
-        return x.to(dtype)
+        return self._unrotate((q.float() + self.levels // 2) * p[..., 0, None] + p[..., 1, None], dtype)
 
     def row_map(self, dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """What a stored row (codes with their scale and offset applied) is multiplied by

@@ -150,10 +150,9 @@ class PageAllocator:
         range, a page has another count than 1, or an id is listed twice.
         """
         pages = as_page_ids(pages)
-        top = self.loops.free_sole(self._refs, self._stack, self._top, pages)
+        top = self._free_sole(pages)
         if top >= 0:
-            freed, self._top = top - self._top, top
-            return freed
+            return top
         if top == page_loops.NOT_SOLE:
             counts = self._refs.take(pages)
             raise ValueError(f"pages must have exactly one owner to be freed: {pages[counts != 1][:8].tolist()}")
@@ -173,6 +172,15 @@ class PageAllocator:
         self._counts(pages)
         return self.release(pages)
 
+    def _free_sole(self, pages: PageIds) -> int:
+        """Free ``pages`` if each has count 1 and is listed once; how many went free, or
+        the loops' negative status (nothing changed)."""
+        top = self.loops.free_sole(self._refs, self._stack, self._top, pages)
+        if top < 0:
+            return top
+        freed, self._top = top - self._top, top
+        return freed
+
     def _counts(self, pages: PageIds) -> np.ndarray:
         """Reference counts of ``pages``; ValueError for ids outside the pool (read as
         unsigned, a negative id is out of range too)."""
@@ -187,11 +195,10 @@ class PageAllocator:
         references are dropped than a page has."""
         if not pages.size:
             return 0
-        refs = self._refs
-        top = self.loops.free_sole(refs, self._stack, self._top, pages)  # the caller owns each alone: as ``free``
-        if top >= 0:
-            freed, self._top = top - self._top, top
+        freed = self._free_sole(pages)  # the caller owns each alone: as ``free``
+        if freed >= 0:
             return freed
+        refs = self._refs
         np.subtract.at(refs, pages, _ONE)
         after = refs.take(pages)
         if np.count_nonzero(after < 0):
@@ -251,10 +258,7 @@ class PoolConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         object.__setattr__(self, "kv_dtype", kv_format(self.kv_dtype))
         fmt, scales = self.kv_dtype, self.kv_scales
-        if fmt.head_scaled and scales is None:
-            raise ValueError(f"kv_dtype {fmt.name} needs kv_scales: a scale file, or 'unity'")
-        if not fmt.head_scaled and scales is not None:
-            raise ValueError(f"kv_scales applies to the fp8 formats only, not kv_dtype {fmt.name}")
+        fmt.check_scales(scales is not None)
         if fmt.paged and self.head_dim % 2:
             raise ValueError(f"kv_dtype {fmt.name} packs two codes per byte: head_dim must be even, got {self.head_dim}")
         if scales is not None and (scales.k.shape != (self.num_layers, self.num_kv_heads) or scales.v.shape != scales.k.shape):
@@ -307,7 +311,6 @@ class KVPool(PageAllocator):
         codes = (*shape[:3], shape[3] // 2) if fmt.paged else shape  # paged: two 4-bit codes a byte
         self.k = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
         self.v = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
-        self.identity = config.kv_identity
         self.k_params = self.v_params = None
         if fmt.scale_dtype is not None:  # (scale, offset) per (slot, KV head), beside the pages
             params = (*shape[:3], 2)
@@ -348,20 +351,26 @@ class KVPool(PageAllocator):
             self.k_params[layer].view(rows).index_copy_(0, slots, kp)
             self.v_params[layer].view(rows).index_copy_(0, slots, vp)
 
+    @property
+    def identity(self) -> str:
+        """The KV format's identity (``PoolConfig.kv_identity``)."""
+        return self.config.kv_identity
+
     def view(self, layer: int) -> KVView:
         """Layer ``layer``'s KV for an attention backend. Does not mutate."""
         return self._views[layer]
 
     def free(self, pages) -> int:
+        pages = as_page_ids(pages)
         freed = super().free(pages)
         if self.sealer is not None:
-            self.sealer.forget(as_page_ids(pages))
+            self.sealer.forget(pages)
         return freed
 
     def release(self, pages: PageIds) -> int:
         freed = super().release(pages)
         if self.sealer is not None and freed:
-            self.sealer.forget(pages[self.refcounts().take(pages) == 0])
+            self.sealer.forget(pages[self._refs.take(pages) == 0])
         return freed
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,14 +37,14 @@ class Sealer:
         self.page_size = c.page_size
         self.heads, self.dim = c.num_kv_heads, c.head_dim
         self.device = c.device
-        self.num_layers = c.num_layers
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        empty = (0, self.page_size, self.heads, self.dim)
+        self.k = [torch.empty(empty, device=self.device) for _ in range(c.num_layers)]
+        self.v = [torch.empty(empty, device=self.device) for _ in range(c.num_layers)]
         self.capacity = 0
         self._free_slots: list[int] = []
         self._grow(capacity)
-        self.slot_of = np.full(pool.num_pages, -1, dtype=np.int64)  # page -> staging slot
-        self._slot_of = torch.full((pool.num_pages,), -1, dtype=torch.int64, device=self.device)
+        self.slot_of = np.full(pool.num_pages, -1, dtype=np.int64)  # page -> staging slot (host, for planning)
+        self._slot_of = torch.full((pool.num_pages,), -1, dtype=torch.int64, device=self.device)  # its copy, for reads
         self.sealed = torch.zeros(pool.num_pages, dtype=torch.bool, device=self.device)
         self._pending: np.ndarray = np.empty(0, dtype=np.int64)  # sealed last forward: slots to release
         self._plan: dict | None = None
@@ -167,26 +167,25 @@ class Sealer:
         held = slots >= 0
         if held.any():
             self._free_slots.extend(slots[held].tolist())
-            self.slot_of[pages[held]] = -1
-            self._slot_of[torch.from_numpy(pages[held].astype(np.int64)).to(self.device)] = -1
+            self._assign(pages[held], np.full(int(held.sum()), -1, dtype=np.int64))
 
     def _take_slots(self, pages: np.ndarray) -> None:
         if not pages.size:
             return
         if len(self._free_slots) < pages.size:
             self._grow(max(self.capacity, pages.size - len(self._free_slots)))
-        slots = np.array([self._free_slots.pop() for _ in range(pages.size)], dtype=np.int64)
+        self._assign(pages, np.array([self._free_slots.pop() for _ in range(pages.size)], dtype=np.int64))
+
+    def _assign(self, pages: np.ndarray, slots: np.ndarray) -> None:
+        """``slot_of[pages] = slots`` (-1: none), on the host and on the device."""
         self.slot_of[pages] = slots
         self._slot_of[torch.from_numpy(pages.astype(np.int64)).to(self.device)] = torch.from_numpy(slots).to(self.device)
 
     def _grow(self, more: int) -> None:
+        """``more`` staging slots (NaN until written), the lowest free slot next."""
         shape = (more, self.page_size, self.heads, self.dim)
-        fresh = [torch.full(shape, float("nan"), device=self.device) for _ in range(2 * self.num_layers)]
-        if self.capacity:
-            self.k = [torch.cat([t, fresh[i]]) for i, t in enumerate(self.k)]
-            self.v = [torch.cat([t, fresh[self.num_layers + i]]) for i, t in enumerate(self.v)]
-        else:
-            self.k, self.v = fresh[: self.num_layers], fresh[self.num_layers :]
+        self.k = [torch.cat([t, torch.full(shape, float("nan"), device=self.device)]) for t in self.k]
+        self.v = [torch.cat([t, torch.full(shape, float("nan"), device=self.device)]) for t in self.v]
         self._free_slots.extend(range(self.capacity + more - 1, self.capacity - 1, -1))
         self.capacity += more
 

@@ -344,7 +344,12 @@ def format_byte_table(result: dict) -> str:
         cells = [f"{100 * by_size[b]['hit_rate']:.2f} ({by_size[b]['capacity_pages']} p)" for b in sizes]
         rows.append([fmt, str(by_size[sizes[0]]["bytes_per_page"]), name] + cells)
     rows.append(["unlimited", "", ""] + [f"{100 * result['unlimited']['hit_rate']:.2f}"] * len(sizes))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return _render(rows)
+
+
+def _render(rows: list[list[str]]) -> str:
+    """Right-aligned columns, a rule under the first row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -361,10 +366,7 @@ def format_table(result: dict) -> str:
         by_cap = {r["capacity_pages"]: r for r in runs if r["policy"] == name}
         rows.append([name] + [f"{100 * by_cap[c]['hit_rate']:.2f}" for c in caps])
     rows.append(["unlimited"] + [f"{100 * result['unlimited']['hit_rate']:.2f}"] * len(caps))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _render(rows)
 
 
 def plot(result: dict, path: str | Path, title: str = "") -> None:
@@ -379,10 +381,10 @@ def plot(result: dict, path: str | Path, title: str = "") -> None:
     by_bytes = "kv_dtype" in runs[0] if runs else False  # a byte_sweep: x is the pool size, a line per format
     markers = "osD^vP*X"
     lines = dict.fromkeys((r.get("kv_dtype"), r["policy"]) for r in runs)
+    x, unit = ("pool_bytes", 1 << 30) if by_bytes else ("capacity_fraction", 1)
     for i, (fmt, name) in enumerate(lines):
         mine = [r for r in runs if r.get("kv_dtype") == fmt and r["policy"] == name]
-        x = "pool_bytes" if by_bytes else "capacity_fraction"
-        pts = sorted((r[x] / (1 << 30) if by_bytes else r[x], 100 * r["hit_rate"]) for r in mine)
+        pts = sorted((r[x] / unit, 100 * r["hit_rate"]) for r in mine)
         style = "--" if name == "belady" else ("-", "-.", ":")[i // len(markers) % 3]
         ax.plot(*zip(*pts), style, marker=markers[i % len(markers)], label=f"{fmt} {name}" if by_bytes else name)
     ax.axhline(100 * result["unlimited"]["hit_rate"], color="gray", linestyle=":", label="unlimited")

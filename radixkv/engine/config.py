@@ -42,12 +42,7 @@ class EngineConfig:
         if self.kv_cache_tokens is not None and self.memory_bytes is not None:
             raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
         as_dtype(self.dtype)
-        fmt = self.kv_format  # a clear error for an unknown kv_dtype
-        if fmt.head_scaled and self.kv_scales is None:
-            raise ValueError(f"kv_dtype {fmt.name} needs kv_scales: a JSON scale file (per layer and KV head, see "
-                             f"README) or 'unity' (every scale 1; values beyond the format's range saturate)")  # fmt: skip
-        if not fmt.head_scaled and self.kv_scales is not None:
-            raise ValueError(f"kv_scales applies to the fp8 KV formats only, not kv_dtype {fmt.name}")
+        self.kv_format.check_scales(self.kv_scales is not None)  # also a clear error for an unknown kv_dtype
 
     @property
     def kv_format(self) -> KVFormat:
