@@ -5,9 +5,10 @@ the CPU the reference backend spends it copying every sequence's pages into a pa
 batch before SDPA: per step that copy moves the whole context's K/V of every layer
 twice. ``cpu_decode.c`` reads K/V in place through the page table instead, one OpenMP
 task per sequence (or per range of a long context), accumulating in float32. It reads
-fp32 pages, and int8 pages with their fp16 (scale, offset) per token and KV head without
-dequantizing them: the scales are folded into the dot products and the weighted sum, so
-an int8 decode step moves about a quarter of fp32's bytes. When the format stores rows
+fp32 pages, and int8 pages with their log-scale byte per token and KV head without
+dequantizing them: the scales (looked up in ``kv.format.log_scales()``) are folded into the
+dot products and the weighted sum, so an int8 decode step moves about a quarter of fp32's
+bytes. When the format stores rows
 in another basis (rotated before quantizing), the kernel reads them in that basis: it
 turns the queries into it and its sums back (``kv.format.row_map`` gives it the map).
 
@@ -42,7 +43,7 @@ _library: ctypes.CDLL | None = None
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
-_ARGTYPES = [_ptr] * 11 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
+_ARGTYPES = [_ptr] * 12 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
 _KV_FP32, _KV_INT8 = 0, 1  # cpu_decode.c's kv_format codes
 
 
@@ -87,9 +88,10 @@ class CpuBackend(TorchBackend):
         kv_format = _kernel_format(q, kv) if self.decode_rows else None
         if kv_format is None:
             return super().forward(q, k, v, kv, scale, sliding_window, logit_softcap)
-        k_params = v_params = basis = 0  # int8's parameters and row map (none: 0), by address
+        k_params = v_params = scales = basis = 0  # int8's parameters, scale table and row map (none: 0), by address
         if kv_format == _KV_INT8:
             k_params, v_params = kv.k_params.data_ptr(), kv.v_params.data_ptr()
+            scales = kv.format.log_scales().data_ptr()
             row_map = kv.format.row_map(q.shape[2])
             basis = 0 if row_map is None else row_map.data_ptr()
         q = q.contiguous()
@@ -98,7 +100,7 @@ class CpuBackend(TorchBackend):
             k, v = stored_as(k, kv, "k"), stored_as(v, kv, "v")  # the new tokens as the pool stored them
             self.attend_sequences(q, k, v, kv, scale, sliding_window, logit_softcap, out, skip=self.decode_rows)
         status = self._lib.radixkv_paged_decode(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_params, v_params, basis, self._q_rows.data_ptr(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_params, v_params, scales, basis, self._q_rows.data_ptr(),
             self._kv_starts.data_ptr(), self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(),
             len(self.decode_rows), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
             sliding_window or 0, logit_softcap or 0.0, kv_format,
@@ -111,8 +113,8 @@ class CpuBackend(TorchBackend):
 def _kernel_format(q: torch.Tensor, kv) -> int | None:
     """The kernel's code for reading ``kv`` with ``q``, or None when the kernel cannot
     (then the reference path does): float32 queries on the CPU over contiguous CPU
-    caches, either float32 pages or int8 pages with contiguous float16 (scale, offset)
-    parameters beside them."""
+    caches, either float32 pages or int8 pages with their contiguous log-scale bytes
+    beside them."""
     caches = (kv.k, kv.v)
     if not (q.device.type == "cpu" and q.dtype == torch.float32):
         return None
@@ -124,7 +126,8 @@ def _kernel_format(q: torch.Tensor, kv) -> int | None:
     int8 = (
         kv.format.name == "int8"
         and all(t.dtype == torch.int8 for t in caches)
-        and all(p.dtype == torch.float16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
-        and all(p.shape == (*c.shape[:3], 2) for p, c in zip(params, caches))
+        and kv.format.log_scale
+        and all(p.dtype == torch.uint8 and p.device.type == "cpu" and p.is_contiguous() for p in params)
+        and all(p.shape == (*c.shape[:3], 1) for p, c in zip(params, caches))
     )
     return _KV_INT8 if int8 else None

@@ -8,17 +8,18 @@
  * Layouts (row-major, contiguous):
  *   q, out       [rows, hq, d]      sequence i's query is row rows[i]
  *   k/v cache    [pages * page_size, hkv, d]   (NHD pages, flattened)
- *   k/v params   [pages * page_size, hkv, 2]   int8 only: fp16 (scale, offset) per token and KV head
+ *   k/v params   [pages * page_size, hkv]   int8 only: a log-scale byte b per token and KV head
+ *   scales       [256]              int8 only: the scale each byte stands for (KVFormat.log_scales)
  *   basis        [d, d] or NULL     int8 only: the map M of a format that stores rows in another basis
  *   kv_starts    [n]                sequence i's page table starts at kv_indices[kv_starts[i]]
  *   seq_lens     [n]                tokens in the cache for sequence i, the new one included
  * Query head j uses KV head j / (hq / hkv), as GQA's repeat_interleave does.
  *
- * KV formats (kv_format): KV_FP32, elements as they are; KV_INT8, codes c in [-128, 127]
- * standing for (c + 128) * scale + offset, i.e. c * scale + mid with mid = 128 * scale +
- * offset. The scales are folded into the sums instead of dequantizing each element:
- *   q . k     = scale * sum_e q_e c_e + mid * sum_e q_e     (sum_e q_e once per query head)
- *   sum_t p v = sum_t (p scale) c + (sum_t p mid) * ones    (the second sum one float per head)
+ * KV formats (kv_format): KV_FP32, elements as they are; KV_INT8, codes c in [-127, 127]
+ * standing for c * scale, scale = scales[b] with b the row's byte. The scales are folded
+ * into the sums instead of dequantizing each element:
+ *   q . k     = scale * sum_e q_e c_e
+ *   sum_t p v = sum_t (p scale) c
  * so the codes go to float once per row (exact) and feed every query head of their group.
  * A format that stores rows rotated (a row x kept as y = x R, dequantized as y M with
  * M = R^T) is read in the stored basis: q . (y M) = (q M^T) . y, so each task turns the
@@ -34,8 +35,8 @@
  * int8 (attend_part_int8) keeps those passes and splits, with its own inner loops: K's
  * dot products 8 tokens at a time (their sums reduced together), V's weighted sums 16
  * tokens at a time with the sums in registers, the exponentials in vectors; an int8 row
- * is a quarter of an fp32 one, so it prefetches 4 * AHEAD tokens on. AVX2 + FMA (and
- * F16C for the parameters) when the compiler targets them, portable loops otherwise.
+ * is a quarter of an fp32 one, so it prefetches 4 * AHEAD tokens on. AVX2 + FMA when the
+ * compiler targets them, portable loops otherwise.
  */
 
 #include <math.h>
@@ -45,7 +46,7 @@
 #include <string.h>
 
 #define AHEAD 4
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -163,37 +164,6 @@ INLINE void attend_part(const float *qi, const float *k_cache, const float *v_ca
 }
 
 /* ---- int8 pages ---------------------------------------------------------------------- */
-
-#if !defined(__F16C__)
-/* an IEEE half's bits as a float (exact: every half is a float), where F16C is missing */
-INLINE float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13); /* inf, NaN */
-    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else { /* zero or subnormal: man * 2^-24 */
-        const float f = (float)man * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
-
-/* one (token, KV head)'s parameters: the step `scale` and `mid`, the value of code 0 */
-INLINE void row_params(const uint16_t *p, float *scale, float *mid) {
-#if defined(__F16C__)
-    int32_t pair;
-    memcpy(&pair, p, sizeof pair);
-    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(pair)); /* (scale, offset, 0, 0) */
-    const float s = _mm_cvtss_f32(f), o = _mm_cvtss_f32(_mm_movehdup_ps(f));
-#else
-    const float s = half_to_float(p[0]), o = half_to_float(p[1]);
-#endif
-    *scale = s;
-    *mid = 128.0f * s + o;
-}
 
 #if defined(__AVX2__)
 /* 8 int8 codes as 8 floats */
@@ -367,36 +337,28 @@ INLINE void weigh_tokens(float *acc, const float *w, int64_t span, const int8_t 
 }
 #endif
 
-/* tokens u in [from, to)'s (scale, mid) per KV head: sc[h * span + u], mid[h * span + u],
- * times `by` */
-INLINE void unpack_params(const uint16_t *params, const int64_t *slots, int64_t from, int64_t to, int64_t span,
-                          int64_t hkv, float by, float *sc, float *mid) {
+/* tokens u in [from, to)'s scales per KV head, times `by`: sc[h * span + u] */
+INLINE void unpack_scales(const uint8_t *params, const float *scales, const int64_t *slots, int64_t from, int64_t to,
+                          int64_t span, int64_t hkv, float by, float *sc) {
     for (int64_t u = from; u < to; u++) {
-        if (u + 4 * AHEAD < span) __builtin_prefetch(params + slots[u + 4 * AHEAD] * 2 * hkv);
-        const uint16_t *p = params + slots[u] * 2 * hkv;
-        for (int64_t h = 0; h < hkv; h++) {
-            float s, m;
-            row_params(p + 2 * h, &s, &m);
-            sc[h * span + u] = s * by;
-            mid[h * span + u] = m * by;
-        }
+        if (u + 4 * AHEAD < span) __builtin_prefetch(params + slots[u + 4 * AHEAD] * hkv);
+        const uint8_t *p = params + slots[u] * hkv;
+        for (int64_t h = 0; h < hkv; h++) sc[h * span + u] = scales[p[h]] * by;
     }
 }
 
 #define TOKENS 16 /* tokens whose V sums stay in registers at once */
 
 /* attend_part for int8 pages. Scratch: slots [span] (each token's slot, found once,
- * walking the page table without a division per token), sc and mid [hkv][span] (the
- * tokens' parameters, unpacked from fp16 once per pass), qsum and wmid [hq] (sum_e q_e,
- * and sum_t p mid), qb [hq][d] (with a basis: the turned queries, then the turned sums).
- * Scores are q . codes first, then scaled and shifted in one pass over
- * each head; softmax weights are multiplied by the V scales before the weighted sum of
- * the codes, and the sum of weights times mids is added to every element at the end. */
-INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t *v_cache, const uint16_t *k_params,
-                             const uint16_t *v_params, const float *basis, const int32_t *pages, int64_t from,
-                             int64_t to, float *scores, int64_t *slots, float *sc, float *mid, float *qsum,
-                             float *wmid, float *qb, float *acc, float *m, float *l, int64_t hq, int64_t hkv,
-                             int64_t d, int64_t page_size, float scale, float softcap) {
+ * walking the page table without a division per token), sc [hkv][span] (the tokens'
+ * scales, looked up once per pass), qb [hq][d] (with a basis: the turned queries, then
+ * the turned sums). Scores are q . codes first, then scaled in one pass over each head;
+ * softmax weights are multiplied by the V scales before the weighted sum of the codes. */
+INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t *v_cache, const uint8_t *k_params,
+                             const uint8_t *v_params, const float *scales, const float *basis, const int32_t *pages,
+                             int64_t from, int64_t to, float *scores, int64_t *slots, float *sc, float *qb, float *acc,
+                             float *m, float *l, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale,
+                             float softcap) {
     const int64_t group = hq / hkv, row = hkv * d, span = to - from;
     for (int64_t u = 0, p = from / page_size, o = from % page_size; u < span; u++) {
         slots[u] = (int64_t)pages[p] * page_size + o;
@@ -408,14 +370,9 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
             for (int64_t e = 0; e < d; e++) qb[j * d + e] = dot(q + j * d, basis + e * d, d);
         qi = qb;
     }
-    for (int64_t j = 0; j < hq; j++) {
-        float sum = 0.0f;
-        for (int64_t e = 0; e < d; e++) sum += qi[j * d + e];
-        qsum[j] = sum;
-    }
 
-    /* scores: q . codes, then scale * that + mid * sum(q). The parameters are unpacked a
-     * block at a time, their misses beside the codes'; V's are fetched meanwhile. */
+    /* scores: q . codes, then scale * that. The scales are looked up a block at a time,
+     * their misses beside the codes'; V's are fetched meanwhile. */
     int64_t done = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (d % 8 == 0) {
@@ -423,8 +380,8 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
         for (; done + 8 <= span; done += 8) {
             const int64_t *ahead = done + 8 + lead <= span ? slots + done + lead : NULL;
             if (ahead != NULL)
-                for (int t = 0; t < 8; t++) __builtin_prefetch(v_params + ahead[t] * 2 * hkv);
-            unpack_params(k_params, slots, done, done + 8, span, hkv, scale, sc, mid);
+                for (int t = 0; t < 8; t++) __builtin_prefetch(v_params + ahead[t] * hkv);
+            unpack_scales(k_params, scales, slots, done, done + 8, span, hkv, scale, sc);
             for (int64_t h = 0; h < hkv; h++)
                 for (int64_t g0 = 0; g0 < group; g0 += 4) {
                     const int64_t j0 = h * group + g0, n = group - g0 < 4 ? group - g0 : 4;
@@ -436,7 +393,7 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
         }
     }
 #endif
-    unpack_params(k_params, slots, done, span, span, hkv, scale, sc, mid);
+    unpack_scales(k_params, scales, slots, done, span, span, hkv, scale, sc);
     float dots[4];
     for (int64_t u = done; u < span; u++) { /* the rest one token at a time */
         const int8_t *kr = k_cache + slots[u] * row;
@@ -451,26 +408,20 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
     }
     for (int64_t j = 0; j < hq; j++) {
         float *sj = scores + j * span;
-        const float *scj = sc + (j / group) * span, *midj = mid + (j / group) * span, qs = qsum[j];
-        for (int64_t u = 0; u < span; u++) sj[u] = scj[u] * sj[u] + midj[u] * qs;
+        const float *scj = sc + (j / group) * span;
+        for (int64_t u = 0; u < span; u++) sj[u] *= scj[u];
         if (softcap > 0.0f)
             for (int64_t u = 0; u < span; u++) sj[u] = softcap * tanhf(sj[u] / softcap);
     }
 
     softmax_rows_vec(scores, acc, m, l, hq, d, span);
 
-    /* weights: p * scale per token; sum of p * mid per head */
-    unpack_params(v_params, slots, 0, span, span, hkv, 1.0f, sc, mid);
+    /* weights: p * scale per token */
+    unpack_scales(v_params, scales, slots, 0, span, span, hkv, 1.0f, sc);
     for (int64_t j = 0; j < hq; j++) {
         float *sj = scores + j * span;
-        const float *scj = sc + (j / group) * span, *midj = mid + (j / group) * span;
-        float wm = 0.0f;
-#pragma omp simd reduction(+ : wm)
-        for (int64_t u = 0; u < span; u++) {
-            wm += sj[u] * midj[u];
-            sj[u] *= scj[u];
-        }
-        wmid[j] = wm;
+        const float *scj = sc + (j / group) * span;
+        for (int64_t u = 0; u < span; u++) sj[u] *= scj[u];
     }
 #if defined(__AVX2__) && defined(__FMA__)
     if (d % 8 == 0) {
@@ -509,8 +460,6 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
                 }
         }
     }
-    for (int64_t j = 0; j < hq; j++)
-        for (int64_t e = 0; e < d; e++) acc[j * d + e] += wmid[j];
     if (basis != NULL) /* (sum p y) M, each head's row through qb (the queries are done with) */
         for (int64_t j = 0; j < hq; j++) {
             float *aj = acc + j * d, *turned = qb + j * d;
@@ -524,11 +473,11 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
 }
 
 /* Decode attention of n sequences into out (see the top of this file). kv_format:
- * KV_FP32 (k_params, v_params and basis unused) or KV_INT8 (basis NULL: rows stored as
+ * KV_FP32 (k_params, v_params, scales and basis unused) or KV_INT8 (basis NULL: rows stored as
  * they are). Returns 0, or -1 when scratch memory could not be had or the format is
  * unknown. */
-int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cache, const uint16_t *k_params,
-                         const uint16_t *v_params, const float *basis, const int64_t *rows, const int32_t *kv_starts,
+int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cache, const uint8_t *k_params,
+                         const uint8_t *v_params, const float *scales, const float *basis, const int64_t *rows, const int32_t *kv_starts,
                          const int32_t *kv_indices, const int32_t *seq_lens, float *out, int64_t n, int64_t hq,
                          int64_t hkv, int64_t d, int64_t page_size, float scale, int64_t window, float softcap,
                          int64_t kv_format) {
@@ -555,11 +504,10 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         }
         const int64_t span = to - from;
         /* scratch: the scores [hq][span]; int8 also keeps the range's slots [span] (first,
-         * for their alignment), two floats per token and KV head, two per query head and
-         * a turned query [hq][d] */
+         * for their alignment), a scale per token and KV head and a turned query [hq][d] */
         const size_t bytes = kv_format == KV_FP32
                                  ? sizeof(float) * (size_t)(hq * span)
-                                 : sizeof(int64_t) * (size_t)span + sizeof(float) * (size_t)((hq + 2 * hkv) * span + 2 * hq + hq * d);
+                                 : sizeof(int64_t) * (size_t)span + sizeof(float) * (size_t)((hq + hkv) * span + hq * d);
         void *scratch = malloc(bytes);
         if (scratch == NULL) {
 #pragma omp atomic write
@@ -581,11 +529,10 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         } else {
             const int8_t *kc = k_cache, *vc = v_cache;
             int64_t *slots = scratch;
-            float *scores = (float *)(slots + span), *sc = scores + hq * span, *mid = sc + hkv * span;
-            float *qsum = mid + hkv * span, *wmid = qsum + hq, *qb = wmid + hq;
-#define INT8_PART(D)                                                                                                 \
-    attend_part_int8(qi, kc, vc, k_params, v_params, basis, pages, from, to, scores, slots, sc, mid, qsum, wmid, qb, acc, \
-                     m, l, hq, hkv, D, page_size, scale, softcap)
+            float *scores = (float *)(slots + span), *sc = scores + hq * span, *qb = sc + hkv * span;
+#define INT8_PART(D)                                                                                             \
+    attend_part_int8(qi, kc, vc, k_params, v_params, scales, basis, pages, from, to, scores, slots, sc, qb, acc, m, l, \
+                     hq, hkv, D, page_size, scale, softcap)
             if (d == 64)
                 INT8_PART(64);
             else if (d == 128)

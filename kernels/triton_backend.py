@@ -5,12 +5,11 @@ fp16/bf16/fp32 caches or int8 ones (``INT8_KV``), and accumulate in float32. The
 every position from the cache, the new tokens included (the pool stored them before
 attention), so new tokens are attended to as stored: cache on = cache off in any format.
 
-int8 (the ``int8`` format): codes c and, per (slot, KV head), an fp16 (scale, offset);
-the stored row is ``y = (c + 128) * scale + offset``, the original ``x = y @ R^T``
-(``R`` the format's rotation). The kernels read the codes in tiles and fold the scales
-into the products (``q . y = scale * (q . c) + mid * sum(q)``, ``sum p y = (p * scale)
-@ c + sum p * mid`` with ``mid = offset + 128 * scale``); nothing is dequantized to
-memory. The rotation stays outside the kernels: ``q . x = (q @ R) . y`` and
+int8 (the ``int8`` format): codes c and, per (slot, KV head), a byte b naming the row's
+scale (``scales[b]``, the format's ``log_scales`` table); the stored row is ``y = c *
+scale``, the original ``x = y @ R^T`` (``R`` the format's rotation). The kernels read
+the codes in tiles and fold the scales into the products (``q . y = scale * (q . c)``,
+``sum p y = (p * scale) @ c``); nothing is dequantized to memory. The rotation stays outside the kernels: ``q . x = (q @ R) . y`` and
 ``sum p x = (sum p y) @ R^T``, so ``forward`` rotates the queries before and the output
 (float32) back after them, two ``[T * Hq, D] x [D, D]`` matmuls per layer.
 
@@ -60,7 +59,7 @@ def _tanh(x):
 
 @triton.jit
 def _attend_block(
-    qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
+    qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
     scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
@@ -74,11 +73,10 @@ def _attend_block(
     (inside the sequence, before the first row's position, no window): no bounds, causal
     or -inf handling.
 
-    ``INT8_KV``: the caches hold int8 codes c and ``k_params``/``v_params`` an fp16
-    (scale, offset) per (slot, head); a stored element is ``(c + 128) * scale + offset
-    = c * scale + mid`` with ``mid = offset + 128 * scale``. The scales are folded in,
-    never applied to a tile: ``q . y = scale * (q . c) + mid * sum(q)`` (``qsum``: the
-    rows' sums of q) and ``sum_j p_j y_j = (p * scale) @ c + sum_j p_j mid_j``."""
+    ``INT8_KV``: the caches hold int8 codes c and ``k_params``/``v_params`` a byte b per
+    (slot, head); a stored element is ``c * scales[b]``. The scales are folded in, never
+    applied to a tile: ``q . y = scale * (q . c)`` and ``sum_j p_j y_j = (p * scale) @
+    c``."""
     pos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         valid = pos < seq_len
@@ -96,22 +94,20 @@ def _attend_block(
         k = tl.load(k_cache + offs)
         v = tl.load(v_cache + offs)
     if INT8_KV:
-        poffs = slot * stride_ps + kvh * stride_ph  # (scale, offset) of each position's row
-        if MASKED:
-            k_scale = tl.load(k_params + poffs, mask=valid, other=0.0).to(tl.float32)
-            k_mid = tl.load(k_params + poffs + 1, mask=valid, other=0.0).to(tl.float32) + 128.0 * k_scale
-            v_scale = tl.load(v_params + poffs, mask=valid, other=0.0).to(tl.float32)
-            v_mid = tl.load(v_params + poffs + 1, mask=valid, other=0.0).to(tl.float32) + 128.0 * v_scale
+        poffs = slot * stride_ps + kvh * stride_ph  # each position's scale byte
+        if MASKED:  # positions past the sequence read byte 0 (a valid entry), then weigh 0
+            k_byte = tl.load(k_params + poffs, mask=valid, other=0)
+            v_byte = tl.load(v_params + poffs, mask=valid, other=0)
         else:
-            k_scale = tl.load(k_params + poffs).to(tl.float32)
-            k_mid = tl.load(k_params + poffs + 1).to(tl.float32) + 128.0 * k_scale
-            v_scale = tl.load(v_params + poffs).to(tl.float32)
-            v_mid = tl.load(v_params + poffs + 1).to(tl.float32) + 128.0 * v_scale
+            k_byte = tl.load(k_params + poffs)
+            v_byte = tl.load(v_params + poffs)
+        k_scale = tl.load(scales + k_byte.to(tl.int32))
+        v_scale = tl.load(scales + v_byte.to(tl.int32))
         if NATIVE_DOT:  # codes -128..127 are exact in fp16 and bf16
             s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
         else:
             s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        s = s * k_scale[None, :] + qsum[:, None] * k_mid[None, :]
+        s = s * k_scale[None, :]
     elif NATIVE_DOT:
         s = tl.dot(qv, tl.trans(k))
     else:
@@ -139,7 +135,7 @@ def _attend_block(
             pv = tl.dot(pv.to(qv.dtype), v.to(qv.dtype))
         else:
             pv = tl.dot(pv, v.to(tl.float32), input_precision="ieee")
-        acc = acc * alpha[:, None] + pv + tl.sum(p * v_mid[None, :], 1)[:, None]
+        acc = acc * alpha[:, None] + pv
     elif NATIVE_DOT:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:
@@ -149,7 +145,7 @@ def _attend_block(
 
 @triton.jit
 def _decode_partial(
-    q, k_cache, v_cache, k_params, v_params, kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
+    q, k_cache, v_cache, k_params, v_params, scales, kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
     scale, softcap, window, chunk,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_ps, stride_ph,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -174,20 +170,19 @@ def _decode_partial(
     m_i = tl.full([BLOCK_H], _NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    qsum = tl.sum(qv.to(tl.float32), 1) if INT8_KV else l_i  # int8: what the codes' offsets multiply
     lo = split * chunk
     q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
     if DYNAMIC_LOOP:
         for start in range(lo, tl.minimum(lo + chunk, seq_len), BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
+                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
                 m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
                 PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM, INT8_KV,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
-                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, lo + i * BLOCK_N, seq_len,
+                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, lo + i * BLOCK_N, seq_len,
                 q_pos, m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
                 PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM, INT8_KV,
             )  # fmt: skip
@@ -222,7 +217,7 @@ def _decode_reduce(
 
 @triton.jit
 def _extend(
-    q, o, k_cache, v_cache, k_params, v_params, qo_indptr, kv_indptr, kv_indices, seq_lens,
+    q, o, k_cache, v_cache, k_params, v_params, scales, qo_indptr, kv_indptr, kv_indices, seq_lens,
     scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_ps, stride_ph,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -262,7 +257,6 @@ def _extend(
     m_i = tl.full([BLOCK_M], _NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qsum = tl.sum(qv.to(tl.float32), 1) if INT8_KV else l_i  # int8: what the codes' offsets multiply
     even_d = BLOCK_D == HEAD_DIM
     if DYNAMIC_LOOP:
         # Positions before this block's first row are visible to every row: whole
@@ -277,20 +271,20 @@ def _extend(
             full = tl.minimum(first // BLOCK_N * BLOCK_N, hi)
         for start in range(lo, full, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
+                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
                 m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
                 PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, False, even_d, INT8_KV,
             )  # fmt: skip
         for start in range(full, hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
+                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
                 m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
                 PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
-                qv, qsum, k_cache, v_cache, k_params, v_params, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos,
+                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos,
                 m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
                 PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV,
             )  # fmt: skip
@@ -304,8 +298,8 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def _int8_kv(kv) -> bool:
-    """Whether ``kv`` holds int8 codes with an fp16 (scale, offset) per (slot, KV head)
-    beside them (the ``int8`` format), which the kernels read with ``INT8_KV``; False
+    """Whether ``kv`` holds int8 codes with a log-scale byte per (slot, KV head) beside
+    them (the ``int8`` format), which the kernels read with ``INT8_KV``; False
     for elements stored as they are (fp32, fp16, bf16). Raises ValueError for the other
     quantized formats (fp8 with per-head scales, int4 quantized per page)."""
     fmt = kv.format
@@ -314,10 +308,8 @@ def _int8_kv(kv) -> bool:
     params = (kv.k_params, kv.v_params)
     if (
         fmt.dtype == torch.int8
-        and fmt.levels == 256
-        and not fmt.paged
-        and not fmt.head_scaled
-        and all(p is not None and p.dtype == torch.float16 and p.stride(3) == 1 for p in params)
+        and fmt.log_scale
+        and all(p is not None and p.dtype == torch.uint8 for p in params)
         and kv.v_params.stride() == kv.k_params.stride()
         and kv.v.stride() == kv.k.stride()
     ):
@@ -389,10 +381,10 @@ class TritonBackend(AttentionBackend):
         window = int(sliding_window or 0)
         stride_cs, stride_ch = k_cache.stride(1), k_cache.stride(2)  # per slot, per head
         if int8:
-            k_params, v_params = kv.k_params, kv.v_params
+            k_params, v_params, scales = kv.k_params, kv.v_params, kv.format.log_scales(q.device)
             stride_ps, stride_ph = k_params.stride(1), k_params.stride(2)
         else:  # unused by the kernels
-            k_params, v_params, stride_ps, stride_ph = k_cache, v_cache, 0, 0
+            k_params, v_params, scales, stride_ps, stride_ph = k_cache, v_cache, k_cache, 0, 0
         # rotated int8: the output is in the stored basis until multiplied back, in float32
         out = torch.empty_like(q) if unrotate is None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode:
@@ -400,7 +392,7 @@ class TritonBackend(AttentionBackend):
             mid_o = torch.empty(b * hq * self.num_splits, dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(b * hq * self.num_splits, dtype=torch.float32, device=q.device)
             _decode_partial[(b, hkv, self.num_splits)](
-                q, k_cache, v_cache, k_params, v_params, batch.kv_indptr, batch.kv_indices, self.seq_lens,
+                q, k_cache, v_cache, k_params, v_params, scales, batch.kv_indptr, batch.kv_indices, self.seq_lens,
                 mid_o, mid_lse, scale, softcap, window, self.chunk,
                 q.stride(0), q.stride(1), stride_cs, stride_ch, stride_ps, stride_ph,
                 BLOCK_H=_pow2(group), BLOCK_N=self.BLOCK_N, NUM_SPLITS=self.num_splits,
@@ -416,7 +408,7 @@ class TritonBackend(AttentionBackend):
             block_q = block_m // group if pack else block_m
             grid = (hkv if pack else hq, triton.cdiv(self.max_qo_len, block_q), len(batch.qo_lens))
             _extend[grid](
-                q, out, k_cache, v_cache, k_params, v_params,
+                q, out, k_cache, v_cache, k_params, v_params, scales,
                 batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens, scale, softcap, window,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch, stride_ps, stride_ph,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, PACK_GQA=pack,

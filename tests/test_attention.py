@@ -218,7 +218,7 @@ def int8_case(seed, lens, prefixes, page_size, hq, hkv, dim=16):
 def quantized_case(seed, lens, prefixes, page_size, hq, hkv, dim=16, kv_dtype="int8"):
     """A ragged batch whose K/V went through a ``KVPool`` of ``kv_dtype`` (``store_kv``;
     fp8 with random per-head scales), over shuffled pages whose unwritten slots are
-    NaN (int8: its quantization parameters; fp8: the elements). The dense K/V are what
+    poisoned (int8: the largest code at the largest scale, ~7.6e6; fp8: NaN). The dense K/V are what
     the pool holds, dequantized (``read_kv``); also returns the K/V before quantizing."""
     from radixkv.cache import KVPool, PoolConfig
     from radixkv.cache.formats import KVScales
@@ -229,9 +229,9 @@ def quantized_case(seed, lens, prefixes, page_size, hq, hkv, dim=16, kv_dtype="i
         k_s, v_s = torch.rand(2, 1, hkv, generator=g) * 0.05 + 0.03  # K reaches ~13, V ~4.5: within 448 * 0.03
         scales = KVScales(k_s, v_s, "test")
     pool = KVPool(PoolConfig(1, hkv, dim, page_size, kv_dtype=kv_dtype, num_pages=4096, kv_scales=scales))
-    if scales is None:
-        for t in (pool.k_params[0], pool.v_params[0]):
-            t.fill_(float("nan"))  # poisoned: a slot read but never written shows up
+    if scales is None:  # poisoned: a slot read but never written shows up
+        for t in (pool.k[0], pool.v[0], pool.k_params[0], pool.v_params[0]):
+            t.fill_(127 if t.dtype == torch.int8 else 255)
     else:
         for t in (pool.k[0], pool.v[0]):
             t.view(torch.uint8).fill_(0x7F)  # NaN in both fp8 formats
@@ -256,7 +256,7 @@ def quantized_case(seed, lens, prefixes, page_size, hq, hkv, dim=16, kv_dtype="i
 @pytest.mark.parametrize("lens, prefixes", CASES)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_int8_kv_matches_dequantize_then_attend(backend, lens, prefixes, page_size):
-    """int8 pages (a scale and an offset per token and KV head) read by every backend that reads
+    """int8 pages (a log-scale byte per token and KV head) read by every backend that reads
     them: equal to dense attention over the dequantized cache, new tokens included (a
     prefill attends to its own K/V as stored, so cache on = off within the format), and
     within quantization error of the unquantized K/V."""
@@ -290,8 +290,8 @@ def test_int8_pages_cost_a_quarter_and_triton_reads_them():
 
     shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, num_pages=1)
     int8, fp32 = PoolConfig(**shape, kv_dtype="int8"), PoolConfig(**shape, kv_dtype="fp32")
-    assert int8.bytes_per_page == 2 * 30 * 16 * 3 * (64 + 4)  # int8 elements + fp16 scale and offset per token-head
-    assert int8.bytes_per_page / fp32.bytes_per_page <= 0.27
+    assert int8.bytes_per_page == 2 * 30 * 16 * 3 * (64 + 1)  # int8 elements + a scale byte per token-head
+    assert int8.bytes_per_page / fp32.bytes_per_page <= 0.255
     assert get_backend(available("triton"), dtype=torch.int8).name == "triton"  # reads int8 in its tiles
 
 

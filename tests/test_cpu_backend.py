@@ -142,15 +142,14 @@ def test_int8_with_half_precision_queries_uses_the_reference_path(cpu, monkeypat
 
 @pytest.mark.parametrize("dim", [64, 24])
 def test_int8_row_map_is_what_dequantize_applies(dim):
-    """The kernels read stored rows y = codes * scale + offset and map q and the output
+    """The kernels read stored rows y = codes * log_scales[byte] and map q and the output
     through M = format.row_map, which must be the map from y to what dequantize returns
     (a rotation's transpose, or None for none)."""
     fmt = kv_format("int8")
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(-128, 128, (5, 3, dim), generator=g).to(torch.int8)
-    params = (torch.rand(5, 3, 2, generator=g) + 0.1).to(torch.float16)
-    p = params.float()
-    y = (codes.float() + 128) * p[..., :1] + p[..., 1:]
+    codes = torch.randint(-127, 128, (5, 3, dim), generator=g).to(torch.int8)
+    params = torch.randint(0, 256, (5, 3, 1), generator=g).to(torch.uint8)
+    y = codes.float() * 2.0 ** ((params.float() - 128) / 8)
     m = fmt.row_map(dim)
     assert m is not None and torch.allclose(m @ m.T, torch.eye(dim), atol=1e-5)  # orthonormal
     torch.testing.assert_close(y @ m, fmt.dequantize(codes, params, torch.float32))

@@ -132,7 +132,7 @@ def test_fp8_pages_store_and_read_back_through_the_format_and_identities_differ(
     unity = PoolConfig(2, 2, 8, 4, kv_dtype="fp8_e4m3", num_pages=4, kv_scales=load_kv_scales("unity", 2, 2))
     int8 = PoolConfig(2, 2, 8, 4, kv_dtype="int8", num_pages=4)
     identities = {pool.identity, unity.kv_identity, int8.kv_identity, PoolConfig(2, 2, 8, 4, num_pages=4).kv_identity}
-    assert identities == {f"fp8_e4m3/scales={scales.digest}", "fp8_e4m3/scales=unity", "int8/rot-row-minmax-fp16", "fp32"}
+    assert identities == {f"fp8_e4m3/scales={scales.digest}", "fp8_e4m3/scales=unity", "int8/rot-row-absmax-log8", "fp32"}
     with pytest.raises(ValueError, match="cannot read torch.float8_e4m3fn KV"):
         get_backend("triton", dtype=torch.float8_e4m3fn)
 

@@ -214,7 +214,7 @@ def test_cli_sim_at_fixed_memory_per_kv_format(tmp_path, capsys):
     runs = json.loads(out_json.read_text())["runs"]
     # the embedded model's page of 16 tokens: 30 layers, 3 KV heads of 64, K and V
     fp32 = 2 * 30 * 16 * 3 * 64 * 4
-    int8 = 2 * 30 * 16 * 3 * (64 + 4)
+    int8 = 2 * 30 * 16 * 3 * (64 + 1)
     assert {(r["kv_dtype"], r["capacity_pages"]) for r in runs} == {
         ("fp32", (8 << 20) // fp32), ("fp32", (32 << 20) // fp32), ("int8", (8 << 20) // int8), ("int8", (32 << 20) // int8)}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

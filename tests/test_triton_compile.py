@@ -16,14 +16,14 @@ import pytest
 
 POINTERS = {"mid_o": "*fp32", "mid_lse": "*fp32",
             "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "qo_indptr": "*i32"}  # fmt: skip
-DATA = {"q", "o", "k_cache", "v_cache", "k_params", "v_params"}
-INT8 = {"o": "*fp32", "k_cache": "*i8", "v_cache": "*i8", "k_params": "*fp16", "v_params": "*fp16"}
+DATA = {"q", "o", "k_cache", "v_cache", "k_params", "v_params", "scales"}
+INT8 = {"o": "*fp32", "k_cache": "*i8", "v_cache": "*i8", "k_params": "*u8", "v_params": "*u8", "scales": "*fp32"}
 FLOATS = {"scale", "softcap"}
 
 
 def compile_kernel(kernel, dtype, kv=None, **constexprs):
     """Compile ``kernel`` for sm_90 with its data pointers of ``dtype``. ``kv="i8"``: int8
-    caches with fp16 (scale, offset) parameters and a float32 output (``INT8_KV``);
+    caches with a log-scale byte per row, the scale table, and a float32 output (``INT8_KV``);
     otherwise the caches are ``dtype`` too and the parameter pointers (unused) take the
     caches, as ``TritonBackend.forward`` passes them."""
     import triton

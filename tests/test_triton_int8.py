@@ -1,5 +1,5 @@
-"""The Triton kernels over int8 KV pages (codes + an fp16 scale and offset per token and
-KV head, rows stored rotated), read in place with the scales folded in: against dense
+"""The Triton kernels over int8 KV pages (codes + a log-scale byte per token and KV
+head, rows stored rotated), read in place with the scales folded in: against dense
 attention over the dequantized cache, under the interpreter on the CPU (small cases:
 the interpreter pays per program and per loop step)."""
 

@@ -312,8 +312,8 @@ class KVPool(PageAllocator):
         self.k = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
         self.v = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
         self.k_params = self.v_params = None
-        if fmt.scale_dtype is not None:  # (scale, offset) per (slot, KV head), beside the pages
-            params = (*shape[:3], 2)
+        if fmt.scale_dtype is not None:  # per (slot, KV head), beside the pages
+            params = (*shape[:3], fmt.row_params)
             k_params = (shape[0], shape[2], shape[3], 2) if fmt.paged else params  # paged K: per channel of a page
             self.k_params = [torch.zeros(k_params, dtype=fmt.scale_dtype, device=device) for _ in layers]
             self.v_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
@@ -347,7 +347,7 @@ class KVPool(PageAllocator):
         self._k_rows[layer].index_copy_(0, slots, kq)
         self._v_rows[layer].index_copy_(0, slots, vq)
         if kp is not None:
-            rows = (-1, self.config.num_kv_heads, 2)
+            rows = (-1, self.config.num_kv_heads, self.format.row_params)
             self.k_params[layer].view(rows).index_copy_(0, slots, kp)
             self.v_params[layer].view(rows).index_copy_(0, slots, vp)
 

@@ -23,8 +23,8 @@ HELP = {
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
-    "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (a scale and offset per token "
-                "and KV head: 0.27x fp32's bytes), int4 (KIVI, quantized per page: 0.16x at page size 16), "
+    "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (a scale byte per token and KV "
+                "head: 0.254x fp32's bytes at head size 64), int4 (KIVI, quantized per page: 0.16x at page size 16), "
                 "int4_norot, fp8_e4m3, fp8_e5m2 (0.25x; need --kv-scales)",
     "kv_scales": "fp8 KV only: a JSON scale file ({\"k_scale\": [...], \"v_scale\": [...]}, one entry per layer: a "
                  "number or one per KV head), or 'unity' (every scale 1); fp8 refuses to start without it",
