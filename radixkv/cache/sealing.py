@@ -144,6 +144,13 @@ class Sealer:
             k[have], v[have] = self._staged_rows(layer, slots.index_select(0, have), dtype)
         return k, v
 
+    def staging(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For kernels that read staged rows in place: layer ``layer``'s staging K and V
+        (``[capacity, page_size, H, D]`` float32) and the page -> staging slot map
+        (``[num_pages]`` int64 on the pool's device, -1: none). Valid for one forward:
+        layer 0's store may grow (reallocate) the area."""
+        return self.k[layer], self.v[layer], self._slot_of
+
     def _staged_rows(self, layer, slots, dtype):
         ps = self.page_size
         idx = self._slot_of.index_select(0, slots // ps) * ps + slots % ps

@@ -100,11 +100,12 @@ def _program_text(state) -> str:
 class Served:
     """`radixkv serve` in a child process, and a RuntimeEndpoint on it."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, pool: tuple[str, ...] = ("--kv-cache-tokens", str(KV_CACHE_TOKENS))):
+        """``pool``: the flags that size the KV pool (e.g. ``("--memory-bytes", "1073741824")``)."""
         from radixkv.frontend import RuntimeEndpoint
         from radixkv.server.process import ServerProcess
 
-        self.server = ServerProcess("--kv-cache-tokens", str(KV_CACHE_TOKENS), *flags)  # the default backend (auto)
+        self.server = ServerProcess(*pool, *flags)  # the default backend (auto)
         self.backend = RuntimeEndpoint(self.server.url)
 
     def reset(self) -> None:
