@@ -30,6 +30,10 @@ Life of a sequence:
              copies of pages the tree had); the handle is empty again and can be
              admitted anew (preemption)
 
+With tiers (``radixkv.cache.tiers``), eviction demotes pages to the host tier or a
+store, and ``admit`` promotes the longest run of pages that follows the tree's match
+from them into fresh pages of the tree before taking the match.
+
 The last prompt token is never matched: its logits are needed to sample the first
 output token. With ``recompute_from`` (prompt logprobs), prompt positions from there on
 are computed again, and only the pages before them are taken from the cache.
@@ -78,12 +82,17 @@ class KVCacheManager:
     Every method says what it mutates; none is thread-safe (one thread owns memory).
     """
 
-    def __init__(self, pool: PageAllocator, tree: RadixCache | None, page_size: int):
+    def __init__(self, pool: PageAllocator, tree: RadixCache | None, page_size: int, tiers=None):
         if tree is not None and tree.page_size != page_size:
             raise ValueError(f"page_size {page_size} but the tree's pages hold {tree.page_size} tokens")
+        if tiers is not None and tree is None:
+            raise ValueError("cache tiers need the prefix cache (enable_prefix_cache)")
         self.pool = pool
         self.tree = tree
         self.page_size = page_size
+        self.tiers = tiers  # a KVTiers below the pool, or None
+        if tiers is not None:
+            tree.on_evict = tiers.demote
 
     # -- queries -------------------------------------------------------------------------
 
@@ -121,6 +130,8 @@ class KVCacheManager:
         first = seq.cached_tokens is None
         m = self.tree.match_prefix(tokens[:-1], seq.namespace, record_stats=first)
         node, pages = (m.node if len(m.pages) else None), m.pages
+        if self.tiers is not None and recompute_from is None:
+            node, pages = self._promote(seq, tokens[:-1], node, pages)
         keep = len(pages) if recompute_from is None else max(0, recompute_from - 1) // self.page_size
         if keep < len(pages):
             #   cached  |== kept, locked ==|===== recomputed; the tree's copy unlocked =====|
@@ -197,9 +208,21 @@ class KVCacheManager:
         self.pool.free(seq.pages[seq.published // self.page_size :])
         self._set(seq, _EMPTY, None, 0)
 
-    def flush(self) -> int:
-        """Evict every unlocked page of the tree; return how many went free."""
-        return self.tree.evict(self.tree.cached_pages) if self.tree is not None else 0
+    def flush(self, store: bool = False) -> int:
+        """Evict every unlocked page of the tree without demoting it, and empty the host
+        tier; with ``store``, the store too. Returns how many pool pages went free."""
+        if self.tree is None:
+            return 0
+        hook, self.tree.on_evict = self.tree.on_evict, None
+        try:
+            freed = self.tree.evict(self.tree.cached_pages)
+        finally:
+            self.tree.on_evict = hook
+        if self.tiers is not None:
+            self.tiers.flush("host")
+            if store:
+                self.tiers.flush("store")
+        return freed
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -242,6 +265,34 @@ class KVCacheManager:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _promote(self, seq: SeqKV, tokens, node: Node | None, pages: PageIds) -> tuple[Node | None, PageIds]:
+        """Extend a tree match (``node``, ``pages``) with the run of pages of ``tokens``
+        that follows it in the lower tiers: as many as the pool has room for (evicting
+        unlocked leaves, never the match), written into fresh pages the tree adopts.
+        Returns the match's new end and pages. Mutates pool, tree and tiers."""
+        start = len(pages)
+        limit = len(tokens) // self.page_size - start
+        rows = self.tiers.fetch(tokens, seq.namespace, start, limit) if limit > 0 else None
+        if rows is None:
+            return node, pages
+        if node is not None:
+            self.tree.lock(node)  # the match must survive the room made for what follows it
+        try:
+            short = len(rows) - self.pool.num_free()
+            if short > 0:
+                self.tree.evict(short)
+            n = min(len(rows), self.pool.num_free())
+            if n == 0:
+                return node, pages
+            new = self.pool.alloc(n)
+            self.pool.write_pages(new, rows[:n])
+            table = np.concatenate([pages, new])
+            end = self.tree.insert(tokens[: len(table) * self.page_size], table, seq.namespace, seq.priority, adopt=True).node
+            return end, table
+        finally:
+            if node is not None:
+                self.tree.unlock(node)
+
     def _publish(self, seq: SeqKV, tokens, whole: int) -> Node:
         """Insert ``tokens[:whole]`` with ``seq``'s pages; the tree adopts the new ones.
         Where the tree already held some of the tokens (a prompt recomputed for its
@@ -255,6 +306,8 @@ class KVCacheManager:
         """
         inserted = self.tree.insert(tokens[:whole], seq.pages, seq.namespace, seq.priority, adopt=True)
         own, cached = seq.published // self.page_size, inserted.num_cached // self.page_size
+        if self.tiers is not None:
+            self.tiers.published(tokens, seq.namespace, seq.pages, max(own, cached), whole // self.page_size)
         if cached > own:
             self.pool.free(seq.pages[own:cached])
             seq.pages = np.concatenate([inserted.node.path_pages()[:cached], seq.pages[cached:]])

@@ -351,6 +351,50 @@ class KVPool(PageAllocator):
             self.k_params[layer].view(rows).index_copy_(0, slots, kp)
             self.v_params[layer].view(rows).index_copy_(0, slots, vp)
 
+    def _page_parts(self) -> list[torch.Tensor]:
+        """Every tensor that holds a page's KV, each indexed by page id on dim 0: per
+        layer K, V and (quantized) their parameters."""
+        parts = []
+        for layer in range(self.config.num_layers):
+            parts += [self.k[layer], self.v[layer]]
+            if self.k_params is not None:
+                parts += [self.k_params[layer], self.v_params[layer]]
+        return parts
+
+    def read_pages(self, pages: PageIds) -> np.ndarray:
+        """The bytes of ``pages`` (whole pages, sealed if the format seals) as one
+        ``[len(pages), page_bytes]`` uint8 array on the host: every layer's K and V and
+        their parameters, in ``_page_parts`` order (what a store keeps). Does not
+        mutate."""
+        idx = torch.from_numpy(as_page_ids(pages).astype(np.int64)).to(self.config.device)
+        rows = [t.index_select(0, idx).view(torch.uint8).reshape(len(idx), w) for t, w in self._widths()]
+        return torch.cat(rows, 1).cpu().numpy()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page as ``read_pages`` lays it out."""
+        return sum(w for _, w in self._widths())
+
+    def _widths(self) -> list[tuple[torch.Tensor, int]]:
+        return [(t, t[0].numel() * t.element_size()) for t in self._page_parts()]
+
+    def write_pages(self, pages: PageIds, data: np.ndarray) -> None:
+        """Put ``read_pages``' bytes (``[len(pages), page_bytes]`` uint8) into ``pages``
+        (owned by the caller, e.g. just allocated); a paged format's pages are sealed
+        as they come. Mutates those pages only. Raises ValueError for the wrong shape."""
+        pages = as_page_ids(pages)
+        if data.dtype != np.uint8 or data.shape != (len(pages), self.page_bytes):
+            raise ValueError(f"page data must be uint8 [{len(pages)}, {self.page_bytes}], got {data.dtype} {list(data.shape)}")
+        idx = torch.from_numpy(pages.astype(np.int64)).to(self.config.device)
+        src = torch.from_numpy(np.ascontiguousarray(data)).to(self.config.device)
+        at = 0
+        for t, w in self._widths():
+            chunk = src[:, at : at + w].contiguous().view(t.dtype).view(len(pages), *t.shape[1:])
+            t.view(torch.uint8).view(t.shape[0], -1).index_copy_(0, idx, chunk.view(torch.uint8).view(len(pages), -1))
+            at += w
+        if self.sealer is not None:
+            self.sealer.sealed[idx] = True
+
     @property
     def identity(self) -> str:
         """The KV format's identity (``PoolConfig.kv_identity``)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -199,6 +199,9 @@ class RadixCache:
         self.hit_tokens = 0
         self.inserted_pages = 0
         self.evicted_pages = 0
+        # called with (leaf, keep) before a victim's pages leaf.pages[keep:] are released
+        # (the leaf still whole): the tiers demote them (radixkv.cache.tiers)
+        self.on_evict: Callable[[Node, int], None] | None = None
         self.protected_pages = 0
 
     # -- queries ---------------------------------------------------------------
@@ -455,6 +458,8 @@ class RadixCache:
                     break
                 leaf, drop = picked
                 keep = len(leaf.pages) - drop
+                if self.on_evict is not None:
+                    self.on_evict(leaf, keep)
                 dropped.append(leaf.pages[keep:])
                 taken += drop
                 if keep:

@@ -195,11 +195,16 @@ class KVStore:
         pass
 
 
+_ENVS: dict[str, tuple[object, int]] = {}  # resolved path -> (open environment, stores using it)
+_ENVS_LOCK = threading.Lock()
+
+
 class LMDBStore(KVStore):
     """Entries in one LMDB environment (a directory with ``data.mdb`` and ``lock.mdb``)
     that any number of processes on this machine open at once. Bounded by ``max_bytes``
     of entries: a write that goes past it removes the least recently used entries (a
-    read is a use) in the same transaction. Readers never block the writer."""
+    read is a use) in the same transaction. Readers never block the writer. Stores on
+    one path in one process share one environment (LMDB allows one per process)."""
 
     _TOTAL = b"bytes"
     _TICK = b"tick"
@@ -212,9 +217,15 @@ class LMDBStore(KVStore):
         self.path, self.max_bytes, self.spec = Path(path), max_bytes, f"lmdb:{path}"
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            # the map is address space, not memory: room for the bound, its B-tree pages and slack
-            self.env = lmdb.open(str(self.path), map_size=2 * max_bytes + (256 << 20), max_dbs=4,
-                                 subdir=True, readahead=False, metasync=False)  # fmt: skip
+            self._where = str(self.path.resolve())
+            with _ENVS_LOCK:
+                env, users = _ENVS.get(self._where, (None, 0))
+                if env is None:
+                    # the map is address space, not memory: room for the bound, its B-tree pages and slack
+                    env = lmdb.open(self._where, map_size=2 * max_bytes + (256 << 20), max_dbs=4,
+                                    subdir=True, readahead=False, metasync=False)  # fmt: skip
+                _ENVS[self._where] = (env, users + 1)
+            self.env = env
         except (OSError, lmdb.Error) as e:
             raise StoreUnavailable(f"kv_store lmdb:{path}: cannot open: {e}") from None
         self._lmdb = lmdb
@@ -312,7 +323,15 @@ class LMDBStore(KVStore):
         return self._guard(run)
 
     def close(self):
-        self.env.close()
+        with _ENVS_LOCK:
+            env, users = _ENVS.get(self._where, (None, 0))
+            if env is not self.env:
+                return  # closed already
+            if users > 1:
+                _ENVS[self._where] = (env, users - 1)
+            else:
+                del _ENVS[self._where]
+                env.close()
 
     def _remove(self, txn, key: bytes) -> int:
         """Delete ``key``'s entry and bookkeeping; returns the entry's size (0: none)."""
@@ -412,17 +431,23 @@ class RedisStore(KVStore):
         self.client.close()
 
 
+def check_store_spec(spec, field: str = "kv_store") -> str:
+    """``spec``'s engine (``lmdb`` or ``redis``), or ValueError naming ``field``."""
+    if isinstance(spec, str) and spec.startswith("lmdb:") and len(spec) > 5:
+        return "lmdb"
+    if isinstance(spec, str) and spec.startswith(("redis://", "rediss://", "valkey://")) and len(spec.split("://", 1)[1]):
+        return "redis"
+    raise ValueError(f"{field} must be lmdb:PATH or redis://HOST:PORT/DB, got {spec!r}")
+
+
 def open_store(spec: str, max_bytes: int = 8 << 30, field: str = "kv_store") -> KVStore:
     """An engine by ``spec``: ``lmdb:PATH`` (``max_bytes`` bounds it) or
     ``redis://HOST:PORT/DB`` (the server's ``maxmemory`` bounds it; ``rediss://`` for
-    TLS). Raises ValueError naming ``field`` for another form."""
-    if not isinstance(spec, str):
-        raise ValueError(f"{field} must be a string such as lmdb:PATH or redis://HOST:PORT/DB, got {spec!r}")
-    if spec.startswith("lmdb:") and len(spec) > 5:
+    TLS, ``valkey://`` the same as ``redis://``). Raises ValueError naming ``field``
+    for another form."""
+    if check_store_spec(spec, field) == "lmdb":
         return LMDBStore(spec[5:], max_bytes)
-    if spec.startswith(("redis://", "rediss://", "valkey://")):
-        return RedisStore(spec.replace("valkey://", "redis://", 1))
-    raise ValueError(f"{field} must be lmdb:PATH or redis://HOST:PORT/DB, got {spec!r}")
+    return RedisStore(spec.replace("valkey://", "redis://", 1))
 
 
 # -- verified pages -----------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixkv.cache.formats import KVFormat, kv_format
+from radixkv.cache.store import check_store_spec
+from radixkv.cache.tiers import WRITE_POLICIES
 from radixkv.model.loader import as_dtype
 from radixkv.model.registry import DEFAULT_MODEL
 from radixkv.validate import check_int, check_optional_int
@@ -33,15 +35,25 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     max_running: int = 64
     debug: bool = False  # check pool/tree integrity whenever the engine goes idle
+    host_cache_bytes: int | None = None  # a host tier below the pool (RAM), in bytes; None: none
+    kv_store: str | None = None  # a store below: lmdb:PATH or redis://HOST:PORT/DB; None: none
+    kv_store_bytes: int = 8 << 30  # an LMDB store's size bound (a Redis server bounds itself: maxmemory)
+    kv_store_write: str = "back"  # back: store pages as they leave the tiers above; through: as the tree takes them
 
     def __post_init__(self):
-        for name in ("page_size", "max_batch_tokens", "max_running"):
+        for name in ("page_size", "max_batch_tokens", "max_running", "kv_store_bytes"):
             check_int(name, getattr(self, name), 1)
-        for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size"):
+        for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size", "host_cache_bytes"):
             check_optional_int(name, getattr(self, name), 1)
         if self.kv_cache_tokens is not None and self.memory_bytes is not None:
             raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
         as_dtype(self.dtype)
+        if self.kv_store is not None:
+            check_store_spec(self.kv_store)
+        if self.kv_store_write not in WRITE_POLICIES:
+            raise ValueError(f"kv_store_write must be one of {', '.join(WRITE_POLICIES)}, got {self.kv_store_write!r}")
+        if (self.host_cache_bytes or self.kv_store) and not self.enable_prefix_cache:
+            raise ValueError("host_cache_bytes and kv_store are tiers of the prefix cache: they need enable_prefix_cache")
         self.kv_format.check_scales(self.kv_scales is not None)  # also a clear error for an unknown kv_dtype
 
     @property

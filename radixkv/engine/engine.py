@@ -259,10 +259,11 @@ class Engine:
         engine keeps serving what comes after."""
         self._commands.put(AbortAll())
 
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache. Only when no request is queued or running: returns
-        False (and does nothing) otherwise."""
-        return self._query("flush")
+    def flush_cache(self, store: bool = False) -> bool:
+        """Empty the prefix cache: the pool's pages and the host tier; with ``store``,
+        the KV store too (which other processes may share). Only when no request is
+        queued or running: returns False (and does nothing) otherwise."""
+        return self._query("flush_all" if store else "flush")
 
     def stats(self) -> dict:
         """Counters and gauges, read on the engine thread between steps (consistent;

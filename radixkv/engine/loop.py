@@ -16,6 +16,7 @@ One iteration: drain every command (add, abort, queries), then run one step:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from typing import Callable
 
@@ -25,6 +26,8 @@ from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
 from radixkv.cache.radix import RadixCache
+from radixkv.cache.store import PageStore, open_store
+from radixkv.cache.tiers import HostTier, KVTiers, layout, tokenizer_fingerprint, weights_fingerprint
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.messages import (
     Abort, AbortAll, AddRequests, Close, Command, NewRequest, Output, Query, QueryDone, Stopped,
@@ -68,7 +71,8 @@ class EngineLoop:
         self.pool = KVPool(PoolConfig(**pool_cfg))
         self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
         self.backend = get_backend(cfg.attention_backend, cfg.device, cfg.kv_format.dtype, as_dtype(cfg.dtype))
-        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size)
+        self.tiers = self._tiers() if (cfg.host_cache_bytes or cfg.kv_store) else None
+        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers)
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
@@ -76,6 +80,21 @@ class EngineLoop:
         self.output = OutputProcessor(self.tokenizer.eos_token_ids, mc.max_position_embeddings, send)
         self.steps = 0
         self.generated_tokens = 0
+
+    def _tiers(self) -> KVTiers:
+        """The tiers below the pool (host, store), keyed by this model's weights and
+        tokenizer as loaded; a store's entries signed with $RADIXKV_KV_STORE_SECRET when
+        set."""
+        cfg = self.config
+        host = HostTier(cfg.host_cache_bytes) if cfg.host_cache_bytes else None
+        weights = weights_fingerprint(self.model)
+        vocab = tokenizer_fingerprint(self.tokenizer, self.model.config.vocab_size)
+        store = None
+        if cfg.kv_store:
+            secret = os.environ.get("RADIXKV_KV_STORE_SECRET")
+            store = PageStore(open_store(cfg.kv_store, cfg.kv_store_bytes), layout(self.pool),
+                              secret.encode() if secret else None)  # fmt: skip
+        return KVTiers(self.pool, weights, vocab, host, store, cfg.kv_store_write)
 
     # -- what the client needs to check prompts ---------------------------------------------
 
@@ -210,11 +229,14 @@ class EngineLoop:
 
     # -- queries (run between steps) -------------------------------------------------------------
 
-    def _flush(self) -> bool:
+    def _flush(self, store: bool = False) -> bool:
         if self.scheduler.has_work():
             return False
-        self.kv.flush()
+        self.kv.flush(store)
         return True
+
+    def _flush_all(self) -> bool:
+        return self._flush(store=True)
 
     def stats(self) -> dict:
         """Counters and gauges. Read-only: between steps (a ``stats`` query) it is
@@ -233,9 +255,10 @@ class EngineLoop:
                      "kv_format": self.pool.identity, "bytes_per_page": self.pool.config.bytes_per_page,
                      "staged_pages": self.pool.sealer.staged_pages() if self.pool.sealer else 0},
             "cache": tree,
+            "tiers": self.tiers.snapshot() if self.tiers is not None else None,
         }
 
     def _check(self) -> None:
         self.kv.check(self.scheduler.owners())
 
-    QUERIES = {"flush": _flush, "stats": stats, "check": _check}  # what a Query may name
+    QUERIES = {"flush": _flush, "flush_all": _flush_all, "stats": stats, "check": _check}  # what a Query may name

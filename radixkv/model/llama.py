@@ -12,7 +12,7 @@ same RoPE tables), so results match it to float rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,16 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every weight tensor by name, as loaded (a head tied to the embedding once)."""
+        out = [("embed", self.embed), ("norm", self.norm)]
+        if self.lm_head is not self.embed:
+            out.append(("lm_head", self.lm_head))
+        for i, layer in enumerate(self.layers):
+            out += [(f"layers.{i}.{f.name}", getattr(layer, f.name)) for f in fields(layer)
+                    if getattr(layer, f.name) is not None]  # fmt: skip
+        return out
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaModel:

@@ -28,6 +28,15 @@ HELP = {
                 "int4_norot, fp8_e4m3, fp8_e5m2 (0.25x; need --kv-scales)",
     "kv_scales": "fp8 KV only: a JSON scale file ({\"k_scale\": [...], \"v_scale\": [...]}, one entry per layer: a "
                  "number or one per KV head), or 'unity' (every scale 1); fp8 refuses to start without it",
+    "host_cache_bytes": "a host tier below the KV pool, in bytes (RAM; evicted pages demote there, matches promote "
+                        "them back); default none",
+    "kv_store": "a KV page store below the pool: lmdb:PATH (local, persistent, shared by processes) or "
+                "redis://HOST:PORT/DB (Redis/Valkey, shared across machines); secret for entry HMACs from "
+                "$RADIXKV_KV_STORE_SECRET",
+    "kv_store_bytes": "an LMDB store's size bound in bytes (least recently used out first); a Redis server bounds "
+                      "itself (maxmemory, allkeys-lru)",
+    "kv_store_write": "back: store pages as they leave the tiers above (eviction); through: as the tree takes them "
+                      "(another process or a restart finds them at once)",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
@@ -47,7 +56,7 @@ HELP = {
     "log_level": "uvicorn log level: critical, error, warning, info, debug",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
-           "kv_dtype": ("auto", *FORMATS)}  # fmt: skip
+           "kv_dtype": ("auto", *FORMATS), "kv_store_write": ("back", "through")}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
 
