@@ -193,3 +193,60 @@ def test_engine_shares_through_redis_and_survives_the_server_going(baseline):
         assert after == baseline[0] and stats["tiers"]["store"]["unavailable"] >= 1  # served from what it has
     finally:
         server.stop()
+
+
+def test_server_killed_and_restarted_serves_the_document_from_lmdb(tmp_path):
+    """`radixkv serve` with an LMDB store (write-through): killed with SIGKILL after one
+    request, a new server process on the same file serves the same prompt from the
+    store at once, token-identical; /metrics counts the store's tokens; /flush_cache
+    with tiers=all empties the store."""
+    import signal
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixkv.server.process import ServerProcess
+
+    flags = ("--kv-cache-tokens", "1024", "--kv-store", f"lmdb:{tmp_path / 'kv'}", "--kv-store-write", "through")
+    body = {"text": DOC_A, "sampling_params": SP}
+    first = ServerProcess(*flags, log_path=tmp_path / "first.log")
+    try:
+        one = httpx.post(first.url + "/generate", json=body, timeout=120).json()
+    finally:
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+    with ServerProcess(*flags, log_path=tmp_path / "second.log") as second:
+        two = httpx.post(second.url + "/generate", json=body, timeout=120).json()
+        assert two["output_ids"] == one["output_ids"]
+        assert one["meta_info"]["cached_tokens"] == 0 and two["meta_info"]["cached_tokens"] >= 320
+        samples = {(s.name, tuple(s.labels.items())): s.value
+                   for f in text_string_to_metric_families(httpx.get(second.url + "/metrics").text) for s in f.samples}  # fmt: skip
+        assert samples[("radixkv_prefix_cache_tier_hit_tokens_total", (("tier", "store"),))] == two["meta_info"]["cached_tokens"]
+        assert samples[("radixkv_kv_store_corrupt_total", ())] == 0
+        bad = httpx.post(second.url + "/flush_cache?tiers=disk")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tiers"
+        assert httpx.post(second.url + "/flush_cache?tiers=all").json() == {"flushed": True}
+        again = httpx.post(second.url + "/generate", json=body, timeout=120).json()
+        assert again["meta_info"]["cached_tokens"] == 0  # nothing left anywhere
+
+
+def test_sim_host_tier_recovers_the_unlimited_hit_rate(capsys):
+    """`radixkv sim`: a device pool at 10% of the unique pages loses most hits; a host
+    tier that holds them all brings the hit rate back to the unlimited one, and the
+    table says how much came from the host."""
+    from radixkv.cache import sim, traces
+    from radixkv.cli import main
+
+    trace = traces.synthetic("multi_turn")
+    unlimited = sim.replay(trace, None, 16)
+    cap = round(0.1 * unlimited.cached_pages)
+    alone = sim.replay(trace, cap, 16)
+    tiered = sim.replay(trace, cap, 16, host_pages=unlimited.cached_pages)
+    small = sim.replay(trace, cap, 16, host_pages=cap)
+    assert alone.hit_rate < 0.5 * unlimited.hit_rate
+    assert tiered.hit_tokens == unlimited.hit_tokens and tiered.host_hit_tokens > 0
+    assert alone.hit_tokens < small.hit_tokens < tiered.hit_tokens
+    assert tiered.cached_per_request == unlimited.cached_per_request
+    assert main(["sim", "--workload", "multi_turn", "--capacity", "0.1", "--host-pages", str(cap), "--no-belady",
+                 "--policy", "lru"]) == 0  # fmt: skip
+    assert "from host" in capsys.readouterr().out

@@ -91,6 +91,16 @@ class PageAllocator:
 
     # -- queries ---------------------------------------------------------------
 
+    page_bytes = 0  # an allocator owns no tensors: its pages have no bytes (KVPool's do)
+
+    def read_pages(self, pages: PageIds) -> np.ndarray:
+        """The pages' bytes, ``[len(pages), page_bytes]`` uint8: none here (the
+        simulator's tiers move pages without bytes). Does not mutate."""
+        return np.zeros((len(as_page_ids(pages)), 0), dtype=np.uint8)
+
+    def write_pages(self, pages: PageIds, data: np.ndarray) -> None:
+        """Put ``read_pages``' bytes into ``pages``: nothing to put here."""
+
     def num_free(self) -> int:
         """Pages on the free stack. Does not mutate."""
         return self._top

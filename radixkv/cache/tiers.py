@@ -40,12 +40,14 @@ WRITE_POLICIES = ("back", "through")
 
 class HostTier:
     """Pages in host memory below the device pool: page key -> the page's bytes,
-    bounded by ``max_bytes``, least recently used out first."""
+    bounded by ``max_bytes``, least recently used out first. ``page_cost``: what one
+    page counts against the bound instead of its bytes (the simulator's pages have
+    none: there ``max_bytes`` counts pages at cost 1)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, page_cost: int | None = None):
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
             raise ValueError(f"host_cache_bytes must be an int >= 1, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes, self.page_cost = max_bytes, page_cost
         self.bytes = 0
         self._pages: OrderedDict[bytes, np.ndarray] = OrderedDict()
 
@@ -70,15 +72,18 @@ class HostTier:
         for key, row in zip(keys, rows):
             old = self._pages.pop(key, None)
             if old is not None:
-                self.bytes -= old.nbytes
+                self.bytes -= self._cost(old)
             self._pages[key] = row = np.array(row, copy=True)
-            self.bytes += row.nbytes
+            self.bytes += self._cost(row)
         out = []
         while self.bytes > self.max_bytes and self._pages:
             key, row = self._pages.popitem(last=False)
-            self.bytes -= row.nbytes
+            self.bytes -= self._cost(row)
             out.append((key, row))
         return out
+
+    def _cost(self, row: np.ndarray) -> int:
+        return row.nbytes if self.page_cost is None else self.page_cost
 
     def clear(self) -> int:
         n = len(self._pages)
@@ -99,17 +104,18 @@ class TierStats:
 
 class KVTiers:
     """The tiers below one ``KVPool``: an optional ``HostTier`` and an optional
-    ``PageStore``. ``fingerprints``: the weights' and the tokenizer's (hex digests, see
-    ``weights_fingerprint``), part of every page key."""
+    ``PageStore``. ``weights``, ``tokenizer``: their fingerprints (hex digests, see
+    ``weights_fingerprint``), part of every page key. Over a bare ``PageAllocator``
+    (the simulator: pages without bytes) give ``page_size``."""
 
     def __init__(self, pool, weights: str, tokenizer: str, host: HostTier | None = None,
-                 store: PageStore | None = None, write: str = "back"):  # fmt: skip
+                 store: PageStore | None = None, write: str = "back", page_size: int | None = None):  # fmt: skip
         if write not in WRITE_POLICIES:
             raise ValueError(f"kv_store_write must be one of {', '.join(WRITE_POLICIES)}, got {write!r}")
         self.pool, self.host, self.store, self.write = pool, host, store, write
-        self.page_size = pool.page_size
-        self.layout = layout(pool)
-        self._fields = dict(weights=weights, tokenizer=tokenizer, kv_format=pool.identity, view="",
+        self.page_size = page_size or pool.page_size
+        self.layout = layout(pool) if hasattr(pool, "config") else {"page_size": self.page_size}
+        self._fields = dict(weights=weights, tokenizer=tokenizer, kv_format=self.layout.get("kv_format", ""), view="",
                             layout=json.dumps(self.layout, sort_keys=True))  # fmt: skip
         self._seeds: dict[object, bytes] = {}
         self.stats = TierStats()

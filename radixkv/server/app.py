@@ -6,7 +6,8 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     POST /v1/chat/completions   OpenAI chat completions (the model's chat template)
     GET  /v1/models             the one served model
     POST /generate              native: text or input_ids, SamplingParams by name
-    POST /flush_cache           empty the prefix cache (409 while requests run)
+    POST /flush_cache           empty the prefix cache: pool and host tier; ?tiers=all the KV store too
+                                (409 while requests run)
     GET  /metrics               Prometheus text format
     GET  /health                200 while the engine thread lives
     GET  /stats                 Engine.stats() as JSON
@@ -582,7 +583,13 @@ class Server:
     # -- control and observability ------------------------------------------------------------
 
     async def flush_cache(self, http: Http) -> None:
-        if not await asyncio.to_thread(self.engine.flush_cache):
+        from urllib.parse import parse_qs
+
+        tiers = parse_qs(http.scope.get("query_string", b"").decode("latin-1")).get("tiers", ["memory"])[-1]
+        if tiers not in ("memory", "all"):
+            raise P.ApiError(400, f"tiers must be memory (the pool and the host tier) or all (the KV store too), "
+                                  f"got {tiers!r}", param="tiers")  # fmt: skip
+        if not await asyncio.to_thread(self.engine.flush_cache, tiers == "all"):
             raise P.ApiError(409, "the cache was not flushed: requests are running or waiting", type="conflict")
         await http.send(200, P.encode({"flushed": True}))
 

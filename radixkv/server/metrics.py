@@ -51,6 +51,32 @@ class _EngineCollector:
                            cache["evicted_pages"])  # fmt: skip
             yield _counter("radixkv_prefix_cache_inserted_pages", "Pages inserted into the prefix cache",
                            cache["inserted_pages"])  # fmt: skip
+        tiers = s.get("tiers")
+        if tiers is not None:
+            hits = CounterMetricFamily("radixkv_prefix_cache_tier_hit_tokens", "Prompt tokens served by each cache tier",
+                                       labels=["tier"])  # fmt: skip
+            hits.add_metric(["device"], cache["hit_tokens"] if cache else 0)
+            hits.add_metric(["host"], tiers["host_hit_tokens"])
+            hits.add_metric(["store"], tiers["store_hit_tokens"])
+            yield hits
+            yield _counter("radixkv_kv_demoted_pages", "Pages the device pool evicted into a lower tier",
+                           tiers["demoted_pages"])  # fmt: skip
+            yield _counter("radixkv_kv_promoted_pages", "Pages brought back from a lower tier", tiers["promoted_pages"])
+            if "host" in tiers:
+                yield _gauge("radixkv_kv_host_pages", "Pages in the host tier", tiers["host"]["pages"])
+                yield _gauge("radixkv_kv_host_bytes", "Bytes in the host tier", tiers["host"]["bytes"])
+            store = tiers.get("store")
+            if store is not None:
+                yield _gauge("radixkv_kv_store_up", "1 while the KV store answers, 0 while it is skipped", int(store["available"]))
+                yield _counter("radixkv_kv_store_read_bytes", "Bytes read from the KV store", store["read_bytes"])
+                yield _counter("radixkv_kv_store_write_bytes", "Bytes written to the KV store", store["write_bytes"])
+                yield _counter("radixkv_kv_store_read_seconds", "Time spent reading (and verifying) store entries",
+                               store["read_s"])  # fmt: skip
+                yield _counter("radixkv_kv_store_write_seconds", "Time spent writing store entries", store["write_s"])
+                yield _counter("radixkv_kv_store_corrupt", "Store entries refused by verification (deleted, never used)",
+                               store["corrupt"])  # fmt: skip
+                yield _counter("radixkv_kv_store_unavailable", "Store operations that found it unreachable",
+                               store["unavailable"])  # fmt: skip
 
 
 def _gauge(name, doc, value):
