@@ -39,12 +39,15 @@ step by step, ``--speed-repeats`` times each after a warm-up, median reported:
   logits. Prefilling 16 real 4k prompts through the engine would take most of an hour
   here, so the context is the same random K/V; only the new token's K/V is the model's.
 
-The int8 row on the torch reference path (gather, dequantize, SDPA; what the CPU
-backend did with int8 before its kernel read int8 pages) is timed once beside them.
-Target: int8 >= 1.3x fp32 tokens/s.
+The int8 and int4 rows on the torch reference path (gather, dequantize, SDPA; what the
+CPU backend did with them before its kernel read their pages) are timed once beside them.
+An int4 pool holds each sequence's last page staged, as serving leaves it; its model step
+writes the new token at that page's last slot, so it also seals every sequence's page
+(quantize on seal), which serving does for one step in 16. Target: int8 >= 1.3x fp32
+tokens/s.
 
-    .venv/bin/python benchmarks/bench_kvquant.py --decode-speed [--speed-batch 16] [--speed-context 4096]
-        [--speed-repeats 7] [--json benchmarks/out/bench_kvquant_decode.json]
+    .venv/bin/python benchmarks/bench_kvquant.py --decode-speed [--speed-formats fp32 int8 int4]
+        [--speed-batch 16] [--speed-context 4096] [--speed-repeats 7] [--json benchmarks/out/bench_kvquant_decode.json]
 """
 
 from __future__ import annotations
@@ -322,7 +325,10 @@ def print_table(rows: dict, args) -> None:
 def filled_pools(config, formats: list[str], batch: int, context: int, seed: int = 0):
     """One pool per format of ``config``'s KV shape holding ``batch`` sequences of
     ``context`` tokens of the same random K/V, each sequence's pages scattered over the
-    pool; and the sequences (``SeqInput``s of one new token, at the last slot)."""
+    pool; and the sequences (``SeqInput``s of one new token, at the last slot). A paged
+    format (int4) holds what a decode step finds in serving: the pages before the new
+    token's page sealed, that page's earlier tokens staged by a later write (the new
+    token's slot is left to the step)."""
     c = config
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-context // PAGE)
@@ -334,11 +340,23 @@ def filled_pools(config, formats: list[str], batch: int, context: int, seed: int
     order = torch.randperm(num_pages, generator=g).numpy().astype(np.int32)  # a long-running server's scatter
     seqs = [SeqInput([0], context - 1, order[i * per_seq : (i + 1) * per_seq]) for i in range(batch)]
     slots = torch.cat([pools[formats[0]].slots(s.pages, 0, context) for s in seqs])
+    pos = torch.arange(context).repeat(batch)
+    own = (context - 1) // PAGE * PAGE  # the new token's page starts here
+    sealed, staged = torch.nonzero(pos < own)[:, 0], torch.nonzero((pos >= own) & (pos < context - 1))[:, 0]
+    later = []  # the staged rows per layer, written after every layer's sealed ones (one write = one forward)
     for layer in range(c.num_layers):
         k = torch.randn(len(slots), c.num_kv_heads, c.head_dim, generator=g)
         v = torch.randn(len(slots), c.num_kv_heads, c.head_dim, generator=g)
         for pool in pools.values():
-            pool.store_kv(layer, k, v, slots)
+            if pool.format.paged:
+                pool.store_kv(layer, k[sealed], v[sealed], slots[sealed])
+            else:
+                pool.store_kv(layer, k, v, slots)
+        later.append((k[staged], v[staged]))
+    for pool in pools.values():
+        if pool.format.paged and len(staged):
+            for layer, (k, v) in enumerate(later):
+                pool.store_kv(layer, k, v, slots[staged])
     return pools, seqs
 
 
@@ -358,8 +376,8 @@ def timed(fn, order: list, repeats: int) -> dict:
 def decode_speed(model, formats: list[str], batch: int, context: int, repeats: int) -> dict:
     """Seconds per decode step of ``batch`` sequences at ``context`` tokens, per format:
     attention only (the cpu backend's plan + every layer's forward) and the model's whole
-    step; plus int8 through the torch reference path, attention only. See the module
-    docstring."""
+    step; plus int8 and int4 through the torch reference path, attention only. See the
+    module docstring."""
     c = model.config
     load_before = os.getloadavg()[0]  # another busy process here slows the timed steps
     t0 = time.perf_counter()
@@ -387,10 +405,9 @@ def decode_speed(model, formats: list[str], batch: int, context: int, repeats: i
     with torch.inference_mode():
         attn = timed(attention, formats, repeats)
         e2e = timed(model_step, formats, repeats)
-        torch_path = None
-        if "int8" in formats:
-            ref = get_backend("torch")
-            torch_path = timed(lambda f: attention(f, ref), ["int8"], max(2, repeats // 3))["int8"]
+        ref = get_backend("torch")
+        slow = [f for f in ("int8", "int4") if f in formats]  # what the quantized formats did before the kernel
+        torch_path = timed(lambda f: attention(f, ref), slow, max(2, repeats // 3)) if slow else {}
     kv_bytes = {f: pools[f].num_pages * pools[f].config.bytes_per_page for f in formats}
     rows = {"shape": {"layers": c.num_layers, "q_heads": c.num_heads, "kv_heads": c.num_kv_heads,
                       "head_dim": c.head_dim, "batch": batch, "context": context, "page_size": PAGE},
@@ -401,10 +418,10 @@ def decode_speed(model, formats: list[str], batch: int, context: int, repeats: i
         for times in (attn, e2e):
             times[f]["tokens_per_s"] = batch / times[f]["median_s"]
             times[f][f"speedup_vs_{base}"] = times[base]["median_s"] / times[f]["median_s"]
-    if torch_path is not None:
-        torch_path["tokens_per_s"] = batch / torch_path["median_s"]
-        torch_path[f"speedup_vs_{base}"] = attn[base]["median_s"] / torch_path["median_s"]
-        rows["int8_torch_path_attention"] = torch_path
+    for f, times in torch_path.items():
+        times["tokens_per_s"] = batch / times["median_s"]
+        times[f"speedup_vs_{base}"] = attn[base]["median_s"] / times["median_s"]
+        rows[f"{f}_torch_path_attention"] = times
     return rows
 
 
@@ -422,10 +439,11 @@ def print_speed_table(rows: dict) -> None:
         print(f"{f:<20}{row['kv_bytes_read_per_step'] / 1e6:>8.0f}"
               f"{a['median_s'] * 1e3:>9.1f} ({a['min_s'] * 1e3:>4.0f}){a['tokens_per_s']:>8.1f}{a[f'speedup_vs_{base}']:>8.2f}"
               f"{m['median_s'] * 1e3:>9.1f} ({m['min_s'] * 1e3:>4.0f}){m['tokens_per_s']:>8.1f}{m[f'speedup_vs_{base}']:>8.2f}")  # fmt: skip
-    t = rows.get("int8_torch_path_attention")
-    if t:
-        print(f"{'int8 (torch path)':<20}{'':>8}{t['median_s'] * 1e3:>9.1f} ({t['min_s'] * 1e3:>4.0f})"
-              f"{t['tokens_per_s']:>8.1f}{t[f'speedup_vs_{base}']:>8.2f}")  # fmt: skip
+    for f in ("int8", "int4"):
+        t = rows.get(f"{f}_torch_path_attention")
+        if t:
+            print(f"{f + ' (torch path)':<20}{'':>8}{t['median_s'] * 1e3:>9.1f} ({t['min_s'] * 1e3:>4.0f})"
+                  f"{t['tokens_per_s']:>8.1f}{t[f'speedup_vs_{base}']:>8.2f}")  # fmt: skip
     print(f"\ntarget: int8 >= {SPEED_TARGET}x {base} tokens/s; 1-minute load average before and after: "
           f"{rows['load_average_1min'][0]:.2f}, {rows['load_average_1min'][1]:.2f} (this run's own 2 threads count)")
 

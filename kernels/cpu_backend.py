@@ -5,17 +5,24 @@ the CPU the reference backend spends it copying every sequence's pages into a pa
 batch before SDPA: per step that copy moves the whole context's K/V of every layer
 twice. ``cpu_decode.c`` reads K/V in place through the page table instead, one OpenMP
 task per sequence (or per range of a long context), accumulating in float32. It reads
-fp32 pages, and int8 pages with their log-scale byte per token and KV head without
-dequantizing them: the scales (looked up in ``kv.format.log_scales()``) are folded into the
-dot products and the weighted sum, so an int8 decode step moves about a quarter of fp32's
-bytes. When the format stores rows
-in another basis (rotated before quantizing), the kernel reads them in that basis: it
-turns the queries into it and its sums back (``kv.format.row_map`` gives it the map).
+fp32 pages, int8 pages and int4 pages without dequantizing them: int8's log-scale byte
+per token and KV head (looked up in ``kv.format.log_scales()``), and int4's fp16 (scale,
+offset) per channel of a page (K) and per token (V), are folded into the dot products and
+the weighted sums, so a decode step moves about a quarter (int8) or a sixth (int4, pages
+of 16) of fp32's bytes. When the format stores rows in another basis (rotated before
+quantizing), the kernel reads them in that basis: it turns the queries into it and its
+sums back (``kv.format.row_map`` gives it the map).
+
+int4 is quantized on seal (``radixkv.cache.sealing``): a decode query reads the pages
+before its own page sealed and its own page in full precision, the earlier rows from the
+sealer's staging area (``Sealer.staging``, read in place) and the new token from this
+forward's ``k``/``v``, as ``TorchBackend.attend_paged`` does.
 
 Sequences with more than one new token (prefill, chunked prefill, extend) keep the
-reference path (SDPA per sequence); in a mixed batch the decode rows go to the kernel
-and the others to SDPA. Queries other than float32, and caches other than fp32 or int8
-(bf16, fp16, fp8, int4), run wholly on the reference path.
+reference path (SDPA per sequence; ``attend_paged`` for int4); in a mixed batch the
+decode rows go to the kernel and the others to the reference. Queries other than
+float32, and caches other than fp32, int8 or int4 (bf16, fp16, fp8), run wholly on the
+reference path.
 
 The kernel is compiled on first use with ``-O3 -march=native -fopenmp`` by
 ``radixkv.kernels.build`` (the system C compiler; cached in ``$RADIXKV_CACHE_DIR``,
@@ -43,8 +50,8 @@ _library: ctypes.CDLL | None = None
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
-_ARGTYPES = [_ptr] * 12 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
-_KV_FP32, _KV_INT8 = 0, 1  # cpu_decode.c's kv_format codes
+_ARGTYPES = [_ptr] * 17 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
+_KV_FP32, _KV_INT8, _KV_INT4 = 0, 1, 2  # cpu_decode.c's kv_format codes
 
 
 def load_library() -> ctypes.CDLL:
@@ -88,22 +95,34 @@ class CpuBackend(TorchBackend):
         kv_format = _kernel_format(q, kv) if self.decode_rows else None
         if kv_format is None:
             return super().forward(q, k, v, kv, scale, sliding_window, logit_softcap)
-        k_params = v_params = scales = basis = 0  # int8's parameters, scale table and row map (none: 0), by address
-        if kv_format == _KV_INT8:
+        # by address, 0 where the format has none: parameters, int8's scale table, the row map,
+        # and int4's own-page rows (the new tokens' K/V; the staging rows and their slot map)
+        k_params = v_params = scales = basis = k_new = v_new = stage_k = stage_v = stage_of = 0
+        if kv_format != _KV_FP32:
             k_params, v_params = kv.k_params.data_ptr(), kv.v_params.data_ptr()
-            scales = kv.format.log_scales().data_ptr()
             row_map = kv.format.row_map(q.shape[2])
             basis = 0 if row_map is None else row_map.data_ptr()
+        if kv_format == _KV_INT8:
+            scales = kv.format.log_scales().data_ptr()
+        if kv_format == _KV_INT4:
+            k, v = k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()  # alive until the call returns
+            staged_k, staged_v, slot_of = kv.sealer.staging(kv.layer)
+            k_new, v_new = k.data_ptr(), v.data_ptr()
+            stage_k, stage_v, stage_of = staged_k.data_ptr(), staged_v.data_ptr(), slot_of.data_ptr()
         q = q.contiguous()
         out = torch.empty_like(q)
-        if len(self.decode_rows) < len(self.qo_lens):  # the other sequences through SDPA
-            k, v = stored_as(k, kv, "k"), stored_as(v, kv, "v")  # the new tokens as the pool stored them
-            self.attend_sequences(q, k, v, kv, scale, sliding_window, logit_softcap, out, skip=self.decode_rows)
+        if len(self.decode_rows) < len(self.qo_lens):  # the other sequences through the reference path
+            if kv.format.paged:  # sealed pages, and the own page's rows in full precision
+                self.attend_paged(q, k, v, kv, scale, sliding_window, logit_softcap, out, skip=self.decode_rows)
+            else:
+                k, v = stored_as(k, kv, "k"), stored_as(v, kv, "v")  # the new tokens as the pool stored them
+                self.attend_sequences(q, k, v, kv, scale, sliding_window, logit_softcap, out, skip=self.decode_rows)
         status = self._lib.radixkv_paged_decode(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_params, v_params, scales, basis, self._q_rows.data_ptr(),
-            self._kv_starts.data_ptr(), self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(),
-            len(self.decode_rows), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
-            sliding_window or 0, logit_softcap or 0.0, kv_format,
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_params, v_params, scales, basis, k_new, v_new,
+            stage_k, stage_v, stage_of, self._q_rows.data_ptr(), self._kv_starts.data_ptr(),
+            self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(), len(self.decode_rows),
+            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, sliding_window or 0,
+            logit_softcap or 0.0, kv_format,
         )  # fmt: skip
         if status != 0:
             raise MemoryError("cpu decode attention could not allocate its scratch buffers")
@@ -113,8 +132,9 @@ class CpuBackend(TorchBackend):
 def _kernel_format(q: torch.Tensor, kv) -> int | None:
     """The kernel's code for reading ``kv`` with ``q``, or None when the kernel cannot
     (then the reference path does): float32 queries on the CPU over contiguous CPU
-    caches, either float32 pages or int8 pages with their contiguous log-scale bytes
-    beside them."""
+    caches, either float32 pages, int8 pages with their contiguous log-scale bytes
+    beside them, or int4 pages (``int4``, ``int4_norot``) with their contiguous fp16
+    parameters and their sealer's float32 staging rows."""
     caches = (kv.k, kv.v)
     if not (q.device.type == "cpu" and q.dtype == torch.float32):
         return None
@@ -123,11 +143,27 @@ def _kernel_format(q: torch.Tensor, kv) -> int | None:
     if kv.k_params is None:
         return _KV_FP32 if all(t.dtype == torch.float32 for t in caches) else None
     params = (kv.k_params, kv.v_params)
-    int8 = (
-        kv.format.name == "int8"
-        and all(t.dtype == torch.int8 for t in caches)
-        and kv.format.log_scale
-        and all(p.dtype == torch.uint8 and p.device.type == "cpu" and p.is_contiguous() for p in params)
-        and all(p.shape == (*c.shape[:3], 1) for p, c in zip(params, caches))
-    )
-    return _KV_INT8 if int8 else None
+    if not all(p.device.type == "cpu" and p.is_contiguous() for p in params):
+        return None
+    fmt = kv.format
+    if fmt.name == "int8" and fmt.log_scale:
+        int8 = all(t.dtype == torch.int8 for t in caches) and all(
+            p.dtype == torch.uint8 and p.shape == (*c.shape[:3], 1) for p, c in zip(params, caches)
+        )
+        return _KV_INT8 if int8 else None
+    if fmt.paged and fmt.levels == 16 and kv.sealer is not None:
+        pages, page_size, heads, half = kv.k.shape
+        staged_k, staged_v, slot_of = kv.sealer.staging(kv.layer)
+        int4 = (
+            all(t.dtype == torch.uint8 and t.shape == kv.k.shape for t in caches)
+            and all(p.dtype == torch.float16 for p in params)
+            and kv.k_params.shape == (pages, heads, 2 * half, 2)
+            and kv.v_params.shape == (pages, page_size, heads, 2)
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                    for t in (staged_k, staged_v))
+            and staged_k.shape[1:] == (page_size, heads, 2 * half) and staged_v.shape == staged_k.shape
+            and slot_of.dtype == torch.int64 and slot_of.device.type == "cpu" and slot_of.is_contiguous()
+            and slot_of.shape == (pages,)
+        )  # fmt: skip
+        return _KV_INT4 if int4 else None
+    return None

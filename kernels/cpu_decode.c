@@ -7,10 +7,14 @@
  *
  * Layouts (row-major, contiguous):
  *   q, out       [rows, hq, d]      sequence i's query is row rows[i]
- *   k/v cache    [pages * page_size, hkv, d]   (NHD pages, flattened)
- *   k/v params   [pages * page_size, hkv]   int8 only: a log-scale byte b per token and KV head
+ *   k/v cache    [pages * page_size, hkv, d]   (NHD pages, flattened; int4: d / 2 bytes, two codes each)
+ *   k/v params   int8: [pages * page_size, hkv], a log-scale byte b per token and KV head;
+ *                int4: K [pages, hkv, d, 2], V [pages * page_size, hkv, 2], fp16 (scale, offset)
  *   scales       [256]              int8 only: the scale each byte stands for (KVFormat.log_scales)
- *   basis        [d, d] or NULL     int8 only: the map M of a format that stores rows in another basis
+ *   basis        [d, d] or NULL     int8, int4: the map M of a format that stores rows in another basis
+ *   k/v new      [rows, hkv, d]     int4 only: this step's new K/V rows (float32, the model's basis)
+ *   stage k/v    [capacity * page_size, hkv, d]   int4 only: staged rows of partial pages (float32)
+ *   stage_of     [pages]            int4 only: page -> staging slot (-1: none)
  *   kv_starts    [n]                sequence i's page table starts at kv_indices[kv_starts[i]]
  *   seq_lens     [n]                tokens in the cache for sequence i, the new one included
  * Query head j uses KV head j / (hq / hkv), as GQA's repeat_interleave does.
@@ -37,6 +41,34 @@
  * tokens at a time with the sums in registers, the exponentials in vectors; an int8 row
  * is a quarter of an fp32 one, so it prefetches 4 * AHEAD tokens on. AVX2 + FMA when the
  * compiler targets them, portable loops otherwise.
+ *
+ * KV_INT4 (attend_part_int4): KIVI's layout, quantized on seal (radixkv.cache.sealing).
+ * Elements are codes c in 0..15 standing for c * s + o, K's (s, o) per channel of a page,
+ * V's per token; a byte holds channels 2b (low nibble) and 2b + 1. What a query at
+ * position len - 1 reads (as torch_ref.attend_paged):
+ *
+ *     |== pages before its own page: sealed codes, stored basis ==|== own page: float32 ==|
+ *                                                      own_start ^   staged rows   new ^
+ *
+ * the own page's earlier rows from the staging area (none staged: zeros, as gather_own),
+ * the new token from this step's k/v (a page written whole, page size 1, is never staged).
+ * Sealed rows are read in place, the parameters folded in:
+ *   q . k     = sum_e (q_e s_e) c_e + sum_e q_e o_e   per page and KV head: q s (d products
+ *                                                     per query head) and q . o, then the codes
+ *   sum_t p v = sum_t (p s) c + (sum_t p o) 1          the second sum one number per head
+ * with the codes centred (c - 8 against o + 8 s: sums of both signs, about the torch path's
+ * rounding instead of 3-10x it). Channels are taken in split order, [even | odd] (see
+ * unsplit): a byte's low nibbles then pair with the first half and its high nibbles with
+ * the second, so 8 bytes unpack into two vectors with one mask and one shift, and no
+ * shuffle per token; the queries are split once per task, a page's K parameters once per
+ * page (a transpose), the sums unsplit at the end (natural order per token measured 11%
+ * slower). Two bases: sealed rows are stored rotated (y = x R, int4; int4_norot: as they
+ * are), staged and new rows are the model's. So sealed scores use q M^T and own-page
+ * scores q itself, into one softmax; the sealed weighted sum, in the stored basis, is
+ * turned by M (its offsets added first) and the own rows' sum is added after, in the
+ * model's basis. A page's K codes and parameters are prefetched a KV head's share at a
+ * time while the page before it is read (one burst stalled on the misses in flight:
+ * 15-20% slower). AVX2 + FMA + F16C and d % 16 == 0 for the vector loops.
  */
 
 #include <math.h>
@@ -50,7 +82,7 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_FP32 = 0, KV_INT8 = 1 };
+enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2 };
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -472,16 +504,428 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
         }
 }
 
+/* ---- int4 pages (KIVI's layout, quantized on seal) ----------------------------------- */
+
+/* Rows of one KV head in "split order": its even channels, then its odd ones,
+ *   split[b] = x[2b],  split[d/2 + b] = x[2b + 1]   (b < d/2),
+ * which is the order a packed row's nibbles come in (byte b: channel 2b low, 2b + 1 high):
+ * its low nibbles pair with the first half, its high nibbles with the second. */
+INLINE int64_t unsplit(int64_t e, int64_t half) { return e < half ? 2 * e : 2 * (e - half) + 1; }
+
+/* Codes are read centred, c - MID in [-8, 7], against offsets moved to o + MID * s: the
+ * same values, but sums of terms of both signs, of half the size (the offsets, about
+ * -range / 2, would otherwise mostly cancel the codes' sums: 3-10x the rounding error). */
+#define MID 8
+
+#if !defined(__F16C__)
+/* an IEEE half's bits as a float (exact: every half is a float), where F16C is missing */
+INLINE float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13); /* inf, NaN */
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else { /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* a (scale, offset) pair of fp16 */
+INLINE void half_pair(const uint16_t *p, float *s, float *o) {
+#if defined(__F16C__)
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(pair)); /* (scale, offset, 0, 0) */
+    *s = _mm_cvtss_f32(f), *o = _mm_cvtss_f32(_mm_movehdup_ps(f));
+#else
+    *s = half_to_float(p[0]), *o = half_to_float(p[1]);
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INT4_VECTORS 1 /* the vector loops below need all three (and d % 16 == 0) */
+#endif
+
+/* One sealed page's K parameters for one KV head (p: [d][2] fp16, (scale, offset) per
+ * channel) in split order, for centred codes: s[d] the scales, o[d] offset + MID * scale,
+ * float32. */
+INLINE void k_params_split(const uint16_t *p, int64_t d, float *s, float *o) {
+    const int64_t half = d / 2;
+#if defined(INT4_VECTORS)
+    if (half % 8 == 0) {
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256 mid = _mm256_set1_ps((float)MID);
+        for (int64_t b = 0; b < half; b += 8) { /* channel pairs b .. b + 7: each 128-bit lane below holds one
+                                                   pair's (s_even, o_even, s_odd, o_odd) */
+            const uint16_t *pb = p + 4 * b;
+            const __m256 f0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pb));        /* pairs b, b+1 */
+            const __m256 f1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 8)));  /* b+2, b+3 */
+            const __m256 f2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16))); /* b+4, b+5 */
+            const __m256 f3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 24))); /* b+6, b+7 */
+            /* a 4 x 8 transpose: each output holds its 8 pairs as [b, b+2, b+4, b+6 | b+1, b+3, b+5, b+7] */
+            const __m256 lo01 = _mm256_unpacklo_ps(f0, f1), lo23 = _mm256_unpacklo_ps(f2, f3);
+            const __m256 hi01 = _mm256_unpackhi_ps(f0, f1), hi23 = _mm256_unpackhi_ps(f2, f3);
+            const __m256 se = _mm256_shuffle_ps(lo01, lo23, 0x44), oe = _mm256_shuffle_ps(lo01, lo23, 0xEE);
+            const __m256 so = _mm256_shuffle_ps(hi01, hi23, 0x44), oo = _mm256_shuffle_ps(hi01, hi23, 0xEE);
+            const __m256 ses = _mm256_permutevar8x32_ps(se, order), sos = _mm256_permutevar8x32_ps(so, order);
+            _mm256_storeu_ps(s + b, ses);
+            _mm256_storeu_ps(s + half + b, sos);
+            _mm256_storeu_ps(o + b, _mm256_fmadd_ps(mid, ses, _mm256_permutevar8x32_ps(oe, order)));
+            _mm256_storeu_ps(o + half + b, _mm256_fmadd_ps(mid, sos, _mm256_permutevar8x32_ps(oo, order)));
+        }
+        return;
+    }
+#endif
+    for (int64_t b = 0; b < half; b++) {
+        half_pair(p + 4 * b, s + b, o + b);
+        half_pair(p + 4 * b + 2, s + half + b, o + half + b);
+    }
+    for (int64_t e = 0; e < d; e++) o[e] += (float)MID * s[e];
+}
+
+#if defined(INT4_VECTORS)
+/* 8 packed bytes as their 8 low and 8 high nibbles, less MID, in floats */
+INLINE void nibbles8(const uint8_t *c, __m256 *lo, __m256 *hi) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    const __m256i mid = _mm256_set1_epi32(MID);
+    *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, _mm256_set1_epi32(15)), mid));
+    *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x, 4), mid));
+}
+
+/* a[g] = lane-wise partial sums of kq_g . codes for g < n (n <= 4), kq [n][d] in split
+ * order, codes d / 2 packed bytes (d a multiple of 16): each byte's nibbles converted once
+ * for the n heads, low and high nibbles summed apart (two chains per head) */
+INLINE void partial_dots_i4(const float *kq, const uint8_t *c, int64_t d, int n, __m256 a[4]) {
+    const int64_t half = d / 2;
+    __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0, h0 = l0, h1 = l0, h2 = l0, h3 = l0;
+    for (int64_t b = 0; b < half; b += 8) {
+        __m256 lo, hi;
+        nibbles8(c + b, &lo, &hi);
+        l0 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + b), lo, l0);
+        h0 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + half + b), hi, h0);
+        if (n > 1) {
+            l1 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + d + b), lo, l1);
+            h1 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + d + half + b), hi, h1);
+        }
+        if (n > 2) {
+            l2 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + 2 * d + b), lo, l2);
+            h2 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + 2 * d + half + b), hi, h2);
+        }
+        if (n > 3) {
+            l3 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + 3 * d + b), lo, l3);
+            h3 = _mm256_fmadd_ps(_mm256_loadu_ps(kq + 3 * d + half + b), hi, h3);
+        }
+    }
+    a[0] = _mm256_add_ps(l0, h0), a[1] = _mm256_add_ps(l1, h1), a[2] = _mm256_add_ps(l2, h2);
+    a[3] = _mm256_add_ps(l3, h3);
+}
+
+/* `count` (<= 8) consecutive tokens of one page (codes c, `stride` bytes apart) against
+ * n (<= 4) query heads: out[g * span + t] = kq_g . codes of token t + cst[g]. With 8
+ * tokens their sums of one head are reduced together into one vector. */
+INLINE void dots_tokens_i4(const float *kq, const float *cst, const uint8_t *c, int64_t stride, int64_t count,
+                           int64_t d, int n, float *out, int64_t span) {
+    if (count == 8) {
+        __m256 sums[4][8];
+        for (int t = 0; t < 8; t++) {
+            __m256 a[4];
+            partial_dots_i4(kq, c + t * stride, d, n, a);
+            for (int g = 0; g < n; g++) sums[g][t] = a[g];
+        }
+        for (int g = 0; g < n; g++)
+            _mm256_storeu_ps(out + g * span, _mm256_add_ps(sum8x8(sums[g]), _mm256_set1_ps(cst[g])));
+        return;
+    }
+    for (int64_t t = 0; t < count; t++) {
+        __m256 a[4];
+        partial_dots_i4(kq, c + t * stride, d, n, a);
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        float four[4];
+        _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+        for (int g = 0; g < n; g++) out[g * span + t] = four[g] + cst[g];
+    }
+}
+
+/* acc[g * d + b + lane] += sum over t < nt of w[g * span + t] * low nibbles of token t's
+ * bytes b .. b + 7 (KV head `head`), and acc[g * d + d / 2 + b + lane] likewise with the
+ * high nibbles, for g < n (<= 4): acc in split order, the 2n sums in registers across the
+ * nt tokens */
+INLINE void weigh_tokens_i4(float *acc, const float *w, int64_t span, const uint8_t *v_cache, const int64_t *slots,
+                            int64_t nt, int64_t row, int64_t head, int64_t b, int64_t d, int n) {
+    const int64_t half = d / 2;
+    __m256 al[4], ah[4];
+    for (int g = 0; g < n; g++)
+        al[g] = _mm256_loadu_ps(acc + g * d + b), ah[g] = _mm256_loadu_ps(acc + g * d + half + b);
+    for (int64_t t = 0; t < nt; t++) {
+        __m256 lo, hi;
+        nibbles8(v_cache + slots[t] * row + head * half + b, &lo, &hi);
+        for (int g = 0; g < n; g++) {
+            const __m256 x = _mm256_broadcast_ss(w + g * span + t);
+            al[g] = _mm256_fmadd_ps(x, lo, al[g]);
+            ah[g] = _mm256_fmadd_ps(x, hi, ah[g]);
+        }
+    }
+    for (int g = 0; g < n; g++)
+        _mm256_storeu_ps(acc + g * d + b, al[g]), _mm256_storeu_ps(acc + g * d + half + b, ah[g]);
+}
+#endif
+
+/* A page's queries for n (<= 4) query heads qs [n][d] against its K parameters s, o
+ * [d]: kq[g] = qs[g] * s (elementwise) and cst[g] = qs[g] . o */
+INLINE void page_queries(const float *qs, const float *s, const float *o, int64_t d, int n, float *kq, float *cst) {
+#if defined(INT4_VECTORS)
+    if (d % 8 == 0) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t e = 0; e < d; e += 8) {
+            const __m256 se = _mm256_loadu_ps(s + e), oe = _mm256_loadu_ps(o + e);
+            for (int g = 0; g < n; g++) {
+                const __m256 x = _mm256_loadu_ps(qs + g * d + e);
+                _mm256_storeu_ps(kq + g * d + e, _mm256_mul_ps(x, se));
+                a[g] = _mm256_fmadd_ps(x, oe, a[g]);
+            }
+        }
+        const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        float four[4];
+        _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1)));
+        for (int g = 0; g < n; g++) cst[g] = four[g];
+        return;
+    }
+#endif
+    for (int g = 0; g < n; g++) {
+        for (int64_t e = 0; e < d; e++) kq[g * d + e] = qs[g * d + e] * s[e];
+        cst[g] = dot(qs + g * d, o, d);
+    }
+}
+
+/* portable: out[g] = kq_g . codes + cst[g] for g < n, kq in split order */
+INLINE void dots_i4(const float *kq, const float *cst, const uint8_t *c, int64_t d, int n, float *out) {
+    const int64_t half = d / 2;
+    for (int g = 0; g < n; g++) {
+        const float *lo = kq + g * d, *hi = lo + half;
+        float acc[8] = {0};
+        int64_t b = 0;
+        for (; b + 4 <= half; b += 4)
+            for (int u = 0; u < 4; u++) {
+                acc[u] += lo[b + u] * (float)((c[b + u] & 15) - MID);
+                acc[4 + u] += hi[b + u] * (float)((c[b + u] >> 4) - MID);
+            }
+        for (int u = 0; b < half; b++, u++)
+            acc[u] += lo[b] * (float)((c[b] & 15) - MID) + hi[b] * (float)((c[b] >> 4) - MID);
+        out[g] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + cst[g];
+    }
+}
+
+/* Where a paged format's own-page rows are: the new token's K and V rows ([hkv][d], from
+ * the forward's k and v) and the staging area ([capacity * page_size][hkv][d]) with its
+ * page -> staging slot map (-1: none). */
+struct own_rows {
+    const float *k_new, *v_new, *stage_k, *stage_v;
+    const int64_t *stage_of;
+};
+
+/* position t's own-page row ([hkv][d]) of K (`v` 0) or V: the new token's, else its
+ * staged one; NULL when its page has no staging rows (read as zeros, as the reference) */
+INLINE const float *own_row(const struct own_rows *own, int v, const int32_t *pages, int64_t t, int64_t last,
+                            int64_t page_size, int64_t row) {
+    if (t == last) return v ? own->v_new : own->k_new;
+    const int64_t slot = own->stage_of[pages[t / page_size]];
+    if (slot < 0) return NULL;
+    return (v ? own->stage_v : own->stage_k) + (slot * page_size + t % page_size) * row;
+}
+
+/* attend_part for int4 pages (see the top of this file), kept out of line (it runs once
+ * per task; inlined into the one parallel function it only slowed the build): positions
+ * [from, to) of a sequence of `len` tokens, those before the last one's page read sealed (codes and fp16
+ * parameters, in the stored basis, split order), those in it in full precision from
+ * `own` (model basis). Scratch: slots [span], scores [hq][span], sv, ov [hkv][span] (V's
+ * scale and offset per sealed token), qs [hq][d] (the queries scaled by `scale`, turned
+ * into the stored basis, split), sums [hq][d] (the sealed weighted sums, split), kq
+ * [4][d] (queries times a page's K scales), ks, ko [d] (a page's K scales and offsets),
+ * vo [hq] (the weighted sums of V's offsets). */
+static __attribute__((noinline)) void
+attend_part_int4(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *k_params,
+                 const uint16_t *v_params, const float *basis, const struct own_rows *own, const int32_t *pages,
+                 int64_t from, int64_t to, int64_t len, int64_t *slots, float *scores, float *sv, float *ov, float *qs,
+                 float *sums, float *kq, float *ks, float *ko, float *vo, float *acc, float *m, float *l, int64_t hq,
+                 int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap) {
+    const int64_t group = hq / hkv, half = d / 2, span = to - from, row = hkv * half /* bytes */;
+    const int64_t own_start = (len - 1) / page_size * page_size;
+    const int64_t sealed_end = to < own_start ? to : own_start, ns = sealed_end > from ? sealed_end - from : 0;
+    const int64_t own_from = from > own_start ? from : own_start;
+#if defined(INT4_VECTORS)
+    const int vectors = half % 8 == 0;
+#endif
+    for (int64_t u = 0, p = from / page_size, o = from % page_size; u < ns; u++) {
+        slots[u] = (int64_t)pages[p] * page_size + o;
+        if (++o == page_size) o = 0, p++;
+    }
+    if (ns > 0) /* qs = split(q M^T) * scale, or split(q) * scale */
+        for (int64_t j = 0; j < hq; j++)
+            for (int64_t e = 0; e < d; e++) {
+                const int64_t f = unsplit(e, half);
+                qs[j * d + e] = scale * (basis != NULL ? dot(q + j * d, basis + f * d, d) : q[j * d + f]);
+            }
+
+    /* sealed scores, a page at a time: q . (s c + o) = (q s) . c + q . o, so per page and
+     * KV head kq = qs * s (d products per query head) and q . o, then the codes' dots */
+    for (int64_t t0 = from; t0 < sealed_end;) {
+        const int64_t pi = t0 / page_size, o0 = t0 % page_size;
+        const int64_t count = page_size - o0 < sealed_end - t0 ? page_size - o0 : sealed_end - t0;
+        const int64_t page = pages[pi];
+        const int64_t next = t0 + count < sealed_end ? pages[pi + 1] : -1;
+        if (next >= 0) /* V's parameters of the next page; its K codes and parameters a head at a time below */
+            prefetch_bytes(v_params + next * page_size * hkv * 2, page_size * hkv * 2 * (int64_t)sizeof(uint16_t));
+        const uint8_t *codes = k_cache + (page * page_size + o0) * row;
+        float *out = scores + (t0 - from);
+        for (int64_t h = 0; h < hkv; h++) {
+            if (next >= 0) {
+                const int64_t share = (page_size * row + hkv - 1) / hkv;
+                prefetch_bytes(k_cache + next * page_size * row + h * share, share);
+                prefetch_bytes(k_params + (next * hkv + h) * d * 2, d * 2 * (int64_t)sizeof(uint16_t));
+            }
+            k_params_split(k_params + (page * hkv + h) * d * 2, d, ks, ko);
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t j0 = h * group + g0, n = group - g0 < 4 ? group - g0 : 4;
+                float cst[4];
+                page_queries(qs + j0 * d, ks, ko, d, (int)n, kq, cst);
+                const uint8_t *ch = codes + h * half;
+                float *oj = out + j0 * span;
+#if defined(INT4_VECTORS)
+                if (vectors) {
+                    for (int64_t t = 0; t < count; t += 8) {
+                        const int64_t c8 = count - t < 8 ? count - t : 8;
+#define DOTS4(N) dots_tokens_i4(kq, cst, ch + t * row, row, c8, d, N, oj + t, span)
+                        BY_FOUR(n, DOTS4)
+#undef DOTS4
+                    }
+                    continue;
+                }
+#endif
+                for (int64_t t = 0; t < count; t++) {
+                    float four[4];
+                    dots_i4(kq, cst, ch + t * row, d, (int)n, four);
+                    for (int64_t g = 0; g < n; g++) oj[g * span + t] = four[g];
+                }
+            }
+        }
+        t0 += count;
+    }
+
+    /* own-page scores: the model-basis rows against the queries as they came */
+    for (int64_t t = own_from; t < to; t++) {
+        const float *kr = own_row(own, 0, pages, t, len - 1, page_size, hkv * d);
+        for (int64_t j = 0; j < hq; j++)
+            scores[j * span + (t - from)] = kr == NULL ? 0.0f : dot(q + j * d, kr + (j / group) * d, d) * scale;
+    }
+    if (softcap > 0.0f)
+        for (int64_t j = 0; j < hq; j++)
+            for (int64_t u = 0; u < span; u++) scores[j * span + u] = softcap * tanhf(scores[j * span + u] / softcap);
+
+    softmax_rows_vec(scores, sums, m, l, hq, d, span);
+
+    /* sealed V: sum_t p (s c + o) = sum_t (p s) c + sum_t p o, the second one number per head */
+    if (ns > 0) {
+        for (int64_t u = 0; u < ns; u++) {
+            if (u + 4 * AHEAD < ns) __builtin_prefetch(v_params + slots[u + 4 * AHEAD] * hkv * 2);
+            for (int64_t h = 0; h < hkv; h++) {
+                float *s = sv + h * span + u, *o = ov + h * span + u;
+                half_pair(v_params + (slots[u] * hkv + h) * 2, s, o);
+                *o += (float)MID * *s; /* for the centred codes */
+            }
+        }
+        for (int64_t j = 0; j < hq; j++) {
+            float *sj = scores + j * span, total = 0.0f;
+            const float *svj = sv + (j / group) * span, *ovj = ov + (j / group) * span;
+#pragma omp simd reduction(+ : total)
+            for (int64_t u = 0; u < ns; u++) {
+                total += sj[u] * ovj[u];
+                sj[u] *= svj[u];
+            }
+            vo[j] = total;
+        }
+#if defined(INT4_VECTORS)
+        if (vectors) {
+            for (int64_t u0 = 0; u0 < ns; u0 += TOKENS) {
+                const int64_t nt = ns - u0 < TOKENS ? ns - u0 : TOKENS;
+                for (int64_t h = 0; h < hkv; h++) {
+                    /* the next block's rows, a share per KV head (a burst of them all would stall) */
+                    const int64_t ahead = u0 + TOKENS;
+                    for (int64_t u = ahead + h * TOKENS / hkv; u < ahead + (h + 1) * TOKENS / hkv && u < ns; u++)
+                        prefetch_bytes(v_cache + slots[u] * row, row);
+                    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                        const int64_t j0 = h * group + g0, n = group - g0 < 4 ? group - g0 : 4;
+                        for (int64_t b = 0; b < half; b += 8) {
+#define WEIGH4(N) \
+    weigh_tokens_i4(sums + j0 * d, scores + j0 * span + u0, span, v_cache, slots + u0, nt, row, h, b, d, N)
+                            BY_FOUR(n, WEIGH4)
+#undef WEIGH4
+                        }
+                    }
+                }
+            }
+        } else
+#endif
+        {
+            for (int64_t u = 0; u < ns; u++) {
+                if (u + 4 * AHEAD < ns) prefetch_bytes(v_cache + slots[u + 4 * AHEAD] * row, row);
+                const uint8_t *vr = v_cache + slots[u] * row;
+                for (int64_t j = 0; j < hq; j++) {
+                    const float w = scores[j * span + u];
+                    const uint8_t *c = vr + (j / group) * half;
+                    float *sj = sums + j * d;
+                    for (int64_t b = 0; b < half; b++) {
+                        sj[b] += w * (float)((c[b] & 15) - MID);
+                        sj[half + b] += w * (float)((c[b] >> 4) - MID);
+                    }
+                }
+            }
+        }
+        /* + the offsets' sum on every element, then back to natural order (and the model's
+         * basis: (sum p y) M, M's rows taken in split order) */
+        for (int64_t j = 0; j < hq; j++) {
+            const float *sj = sums + j * d;
+            float *aj = acc + j * d;
+            if (basis == NULL)
+                for (int64_t e = 0; e < d; e++) aj[unsplit(e, half)] = sj[e] + vo[j];
+            else {
+                for (int64_t e = 0; e < d; e++) aj[e] = 0.0f;
+                for (int64_t f = 0; f < d; f++) {
+                    const float x = sj[f] + vo[j], *mf = basis + unsplit(f, half) * d;
+                    for (int64_t e = 0; e < d; e++) aj[e] += x * mf[e];
+                }
+            }
+        }
+    } else
+        for (int64_t e = 0; e < hq * d; e++) acc[e] = 0.0f;
+
+    /* own-page V, in the model's basis, added to the turned sums */
+    for (int64_t t = own_from; t < to; t++) {
+        const float *vr = own_row(own, 1, pages, t, len - 1, page_size, hkv * d);
+        if (vr == NULL) continue;
+        for (int64_t j = 0; j < hq; j++) {
+            const float p = scores[j * span + (t - from)], *vh = vr + (j / group) * d;
+            float *aj = acc + j * d;
+            for (int64_t e = 0; e < d; e++) aj[e] += p * vh[e];
+        }
+    }
+}
+
 /* Decode attention of n sequences into out (see the top of this file). kv_format:
- * KV_FP32 (k_params, v_params, scales and basis unused) or KV_INT8 (basis NULL: rows stored as
- * they are). Returns 0, or -1 when scratch memory could not be had or the format is
- * unknown. */
-int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cache, const uint8_t *k_params,
-                         const uint8_t *v_params, const float *scales, const float *basis, const int64_t *rows, const int32_t *kv_starts,
-                         const int32_t *kv_indices, const int32_t *seq_lens, float *out, int64_t n, int64_t hq,
-                         int64_t hkv, int64_t d, int64_t page_size, float scale, int64_t window, float softcap,
-                         int64_t kv_format) {
-    if (kv_format != KV_FP32 && kv_format != KV_INT8) return -1;
+ * KV_FP32 (k_params, v_params, scales, basis and the own-page rows unused), KV_INT8 (basis
+ * NULL: rows stored as they are; own-page rows unused) or KV_INT4 (scales unused; basis
+ * NULL: rows stored as they are). Returns 0, or -1 when scratch memory could not be had
+ * or the format is unknown. */
+int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cache, const void *k_params,
+                         const void *v_params, const float *scales, const float *basis, const float *k_new,
+                         const float *v_new, const float *stage_k, const float *stage_v, const int64_t *stage_of,
+                         const int64_t *rows, const int32_t *kv_starts, const int32_t *kv_indices,
+                         const int32_t *seq_lens, float *out, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                         int64_t page_size, float scale, int64_t window, float softcap, int64_t kv_format) {
+    if (kv_format != KV_FP32 && kv_format != KV_INT8 && kv_format != KV_INT4) return -1;
     /* Fewer sequences than twice the threads: split each context into `parts` ranges, so
      * that one long sequence still keeps every thread reading (a thread streams its own
      * contiguous range; splitting by KV head instead measured slower). */
@@ -504,10 +948,14 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         }
         const int64_t span = to - from;
         /* scratch: the scores [hq][span]; int8 also keeps the range's slots [span] (first,
-         * for their alignment), a scale per token and KV head and a turned query [hq][d] */
-        const size_t bytes = kv_format == KV_FP32
-                                 ? sizeof(float) * (size_t)(hq * span)
-                                 : sizeof(int64_t) * (size_t)span + sizeof(float) * (size_t)((hq + hkv) * span + hq * d);
+         * for their alignment), a scale per token and KV head and a turned query [hq][d];
+         * int4 the slots, two parameters per token and KV head, and attend_part_int4's rest */
+        const size_t bytes = kv_format == KV_FP32   ? sizeof(float) * (size_t)(hq * span)
+                             : kv_format == KV_INT8 ? sizeof(int64_t) * (size_t)span
+                                                          + sizeof(float) * (size_t)((hq + hkv) * span + hq * d)
+                                                    : sizeof(int64_t) * (size_t)span
+                                                          + sizeof(float) * (size_t)((hq + 2 * hkv) * span
+                                                                                     + 2 * hq * d + 6 * d + hq);
         void *scratch = malloc(bytes);
         if (scratch == NULL) {
 #pragma omp atomic write
@@ -526,7 +974,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
                 attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, 128, page_size, scale, softcap);
             else
                 attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, d, page_size, scale, softcap);
-        } else {
+        } else if (kv_format == KV_INT8) {
             const int8_t *kc = k_cache, *vc = v_cache;
             int64_t *slots = scratch;
             float *scores = (float *)(slots + span), *sc = scores + hq * span, *qb = sc + hkv * span;
@@ -540,6 +988,16 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
             else
                 INT8_PART(d);
 #undef INT8_PART
+        } else {
+            const struct own_rows own = {k_new + rows[i] * hkv * d, v_new + rows[i] * hkv * d, stage_k, stage_v,
+                                         stage_of};
+            int64_t *slots = scratch;
+            float *scores = (float *)(slots + span), *sv = scores + hq * span, *ov = sv + hkv * span;
+            float *qs = ov + hkv * span, *sums = qs + hq * d, *kq = sums + hq * d, *ks = kq + 4 * d, *ko = ks + d;
+            float *vo = ko + d;
+            /* one generic copy: head sizes as constants measured no faster, and cost build time */
+            attend_part_int4(qi, k_cache, v_cache, k_params, v_params, basis, &own, pages, from, to, len, slots, scores,
+                             sv, ov, qs, sums, kq, ks, ko, vo, acc, m, l, hq, hkv, d, page_size, scale, softcap);
         }
         free(scratch);
     }

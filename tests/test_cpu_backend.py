@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from test_attention import check_against_dense, int8_case, random_case
+from test_attention import check_against_dense, dense_reference, int8_case, random_case, same_bytes
 
+from radixkv.cache import KVPool, PoolConfig
 from radixkv.cache.formats import kv_format
+from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.kernels import build, cpu_backend, get_backend
 from radixkv.kernels.torch_ref import TorchBackend
 
@@ -155,6 +157,124 @@ def test_int8_row_map_is_what_dequantize_applies(dim):
     torch.testing.assert_close(y @ m, fmt.dequantize(codes, params, torch.float32))
 
 
+# -- int4 pages, read in place -----------------------------------------------------------
+
+
+def int4_decode_case(seed, prefixes, page_size, hq, hkv, dim, kv_dtype="int4", lens=None):
+    """A ragged batch over an int4 pool as the engine leaves it before attention, its
+    unwritten codes, parameters and staging rows poisoned (0xFF codes, NaN): each prefix
+    written by two earlier forwards (cut at random: whole pages sealed, a partial last
+    page staged), then the new tokens (``lens``, default one each) by this forward's."""
+    lens = lens or [1] * len(prefixes)
+    g = torch.Generator().manual_seed(seed)
+    tables = [-(-(n + p) // page_size) + 2 for n, p in zip(lens, prefixes)]
+    # an even page count: KVPool cannot build an int4 pool whose num_pages * page_size is odd
+    pool = KVPool(PoolConfig(1, hkv, dim, page_size, kv_dtype=kv_dtype, num_pages=2 * sum(tables)))
+    pool.k[0].fill_(255), pool.v[0].fill_(255)
+    pool.k_params[0].fill_(float("nan")), pool.v_params[0].fill_(float("nan"))
+    seqs, exact_k, exact_v, cuts = [], [], [], []
+    for n, p, count in zip(lens, prefixes, tables):
+        pages = pool.alloc(count)[torch.randperm(count, generator=g).numpy()]
+        exact_k.append(torch.randn(n + p, hkv, dim, generator=g) * 3)
+        exact_v.append(torch.randn(n + p, hkv, dim, generator=g))
+        seqs.append(SeqInput(list(range(n)), p, pages))
+        cuts.append(int(torch.randint(0, p + 1, (1,), generator=g)))
+    for part in (lambda c, p: (0, c), lambda c, p: (c, p)):  # two earlier forwards, every sequence in each
+        spans = [(i, *part(c, p)) for i, (c, p) in enumerate(zip(cuts, prefixes))]
+        spans = [(i, a, b) for i, a, b in spans if b > a]
+        if spans:
+            slots = torch.cat([pool.slots(seqs[i].pages, a, b) for i, a, b in spans])
+            pool.store_kv(0, torch.cat([exact_k[i][a:b] for i, a, b in spans]),
+                          torch.cat([exact_v[i][a:b] for i, a, b in spans]), slots)  # fmt: skip
+    batch = ForwardBatch.build(seqs, page_size, "cpu")
+    k_new = torch.cat([kd[p:] for kd, p in zip(exact_k, prefixes)])
+    v_new = torch.cat([vd[p:] for vd, p in zip(exact_v, prefixes)])
+    pool.store_kv(0, k_new, v_new, batch.out_slots)
+    q = torch.randn(batch.num_tokens, hq, dim, generator=g)
+    reads = [pool.read_kv(0, pool.slots(s.pages, 0, s.num_cached + n)) for s, n in zip(seqs, lens)]  # dequantized
+    return pool, batch, q, k_new, v_new, exact_k, exact_v, reads
+
+
+# The kernel folds int4's (scale, offset) into its sums, centring the codes: measured up to
+# 5e-6 from the float64 reference here (the torch path: up to 3e-6); this leaves 4x.
+INT4_TOL = 2e-5
+
+
+def check_int4(impl, case, scale, window=None, softcap=None, tol=INT4_TOL):
+    """Plan and run ``impl`` on an ``int4_decode_case``: each query within ``tol`` of dense
+    attention over the pages before its own page as sealed (dequantized) and its own
+    page's tokens up to itself exactly as computed; the pool and its staging untouched."""
+    pool, batch, q, k_new, v_new, exact_k, exact_v, reads = case
+    kv = pool.view(0)
+    stage_k, stage_v, slot_of = pool.sealer.staging(0)
+    before = [t.clone() for t in (kv.k, kv.v, kv.k_params, kv.v_params, stage_k, stage_v, slot_of)]
+    impl.plan(batch)
+    out = impl.forward(q, k_new, v_new, kv, scale, sliding_window=window, logit_softcap=softcap)
+    start, ps = 0, pool.page_size
+    for n, total, kd, vd, (k_read, v_read) in zip(batch.qo_lens, batch.seq_lens, exact_k, exact_v, reads):
+        for pos in range(total - n, total):
+            own = pos // ps * ps
+            k_ref, v_ref = torch.cat([k_read[:own], kd[own : pos + 1]]), torch.cat([v_read[:own], vd[own : pos + 1]])
+            ref = dense_reference(q[start : start + 1], k_ref, v_ref, 1, scale, window, softcap)
+            assert (out[start].double() - ref[0]).abs().max() < tol
+            start += 1
+    after = (kv.k, kv.v, kv.k_params, kv.v_params, stage_k, stage_v, slot_of)
+    assert all(same_bytes(a, b) for a, b in zip(before, after))
+    return out
+
+
+# head sizes: 64, 128 and 32 multiples of 16 (vector loops), 24 not (scalar loops)
+@pytest.mark.parametrize("kv_dtype, page_size, hq, hkv, dim", [
+    ("int4", 16, 9, 3, 64), ("int4", 1, 9, 3, 64), ("int4", 5, 6, 2, 64), ("int4", 16, 8, 1, 128),
+    ("int4", 16, 4, 4, 32), ("int4", 5, 9, 3, 24), ("int4_norot", 16, 9, 3, 64), ("int4_norot", 5, 6, 2, 24),
+    ("int4_norot", 1, 8, 1, 64),
+])  # fmt: skip
+def test_int4_decode_reads_pages_in_place(cpu, monkeypatch, kv_dtype, page_size, hq, hkv, dim):
+    """Ragged contexts (empty, within one page, at page edges, whole blocks of 8 and
+    tails) over shuffled poisoned pages: the kernel reads the earlier pages sealed, the
+    own page's staged rows and the new token from k/v, and nothing unwritten."""
+    case = int4_decode_case(11, [0, 7, 15, 16, 300, 77], page_size, hq, hkv, dim, kv_dtype)
+    formats = spy_on_kernel(cpu, monkeypatch)
+    check_int4(cpu, case, scale=0.125)
+    assert formats == [cpu_backend._KV_INT4]
+
+
+@pytest.mark.parametrize("page_size, prefixes", [(16, [3000, 40]), (1, [3000]), (16, [30])])  # few: split in ranges
+def test_int4_long_context_window_and_softcap(cpu, page_size, prefixes):
+    """Contexts split into ranges over the threads (at 31 tokens a range ends inside the own
+    page, another holds only own-page rows), under sliding windows that start in a sealed
+    page or in the own one."""
+    case = int4_decode_case(5, prefixes, page_size, 9, 3, 64)
+    for window, softcap in [(None, None), (100, None), (None, 30.0), (7, 2.0), (1, None), (20, None)]:
+        check_int4(cpu, case, scale=0.125, window=window, softcap=softcap)
+
+
+def test_int4_mixed_batch_sends_decode_rows_to_the_kernel(cpu, monkeypatch):
+    case = int4_decode_case(2, [50, 7, 3, 0, 17], 4, 9, 3, 64, lens=[1, 12, 1, 30, 3])  # chunks that fill pages
+    calls, original = [], cpu.attend_paged
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("skip", frozenset()))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "attend_paged", spy)
+    formats = spy_on_kernel(cpu, monkeypatch)
+    check_int4(cpu, case, scale=0.125)
+    assert calls == [frozenset({0, 2})] and formats == [cpu_backend._KV_INT4]
+
+
+def test_int4_matches_the_reference_backend(cpu):
+    """The kernel against torch's attend_paged on the same batch (the reference reads the
+    own page through gather_own)."""
+    pool, batch, q, k_new, v_new, *_ = int4_decode_case(8, [40, 33, 16, 5], 16, 9, 3, 64)
+    ref = TorchBackend()
+    ref.plan(batch)
+    expected = ref.forward(q, k_new, v_new, pool.view(0), 0.125, logit_softcap=10.0)
+    cpu.plan(batch)
+    torch.testing.assert_close(cpu.forward(q, k_new, v_new, pool.view(0), 0.125, logit_softcap=10.0), expected,
+                               atol=INT4_TOL, rtol=0)  # fmt: skip
+
+
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """No library loaded yet in this process, and an empty cache directory."""
@@ -213,11 +333,12 @@ def test_an_unwritable_cache_directory_raises_importerror(fresh_build, monkeypat
 
 
 @needs_compiler
-def test_a_build_without_native_instructions_reads_both_formats(fresh_build, monkeypatch):
+def test_a_build_without_native_instructions_reads_every_format(fresh_build, monkeypatch):
     """Without -march=native (x86-64: no AVX2, FMA or F16C) the kernel's portable loops
-    and fp16 conversion run: same results within the same tolerances."""
+    and int4's fp16 conversion run: same results within the same tolerances."""
     monkeypatch.setattr(cpu_backend, "FLAGS", tuple(f for f in cpu_backend.FLAGS if f != "-march=native"))
     impl = get_backend("cpu")
     lens, prefixes = [1, 1], [40, 700]
     check_against_dense(impl, int8_case(3, lens, prefixes, 16, 9, 3, 64)[0], lens, 0.125, softcap=5.0, tol=INT8_TOL)
     check_against_dense(impl, random_case(3, lens, prefixes, 16, 9, 3, torch.float32, dim=24), lens, 0.125)
+    check_int4(impl, int4_decode_case(3, prefixes, 16, 9, 3, 64), 0.125, softcap=5.0)
