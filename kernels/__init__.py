@@ -55,14 +55,14 @@ def _quantized(dtype) -> bool:
 def _reads(backend: AttentionBackend, dtype) -> bool:
     """Whether ``backend`` reads KV of ``dtype``: every unquantized dtype; a quantized one
     when it reads them all (``quantized_kv``) or lists it in ``quantized_dtypes`` (Triton
-    reads int8 pages, not fp8's or int4's)."""
+    reads int8 pages and int4's, uint8 codes two to a byte; not fp8's)."""
     return not _quantized(dtype) or backend.quantized_kv or dtype in backend.quantized_dtypes
 
 
 def _auto(device: str = "cpu", dtype=None, q_dtype=None) -> AttentionBackend:
     """By where the KV lives: on CUDA, FlashInfer for half-precision KV read by queries of
-    the same dtype when it imports, else Triton (which also reads fp32, mixed and int8
-    KV), and torch for the quantized KV Triton does not read (fp8, int4); on the CPU the
+    the same dtype when it imports, else Triton (which also reads fp32, mixed, int8 and
+    int4 KV), and torch for the quantized KV Triton does not read (fp8); on the CPU the
     C decode kernel when it builds, else torch. The machine having a GPU does not
     matter, only ``device``."""
     import torch

@@ -11,7 +11,7 @@ class AttentionBackend:
 
     name = ""
     quantized_kv = False  # reads every quantized format (int8, int4, fp8); see KVView.gather
-    quantized_dtypes: frozenset = frozenset()  # else the quantized KV dtypes it reads (Triton: int8)
+    quantized_dtypes: frozenset = frozenset()  # else the quantized KV dtypes it reads (Triton: int8, int4)
 
     def plan(self, batch) -> None:
         """Build whatever index data the batch needs, once for all layers."""

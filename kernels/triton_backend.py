@@ -1,9 +1,11 @@
 """Triton attention backend: paged decode (split-K) and extend kernels.
 
 All kernels read K/V through the page table (``kv_indices``), for any page size, from
-fp16/bf16/fp32 caches or int8 ones (``INT8_KV``), and accumulate in float32. They read
-every position from the cache, the new tokens included (the pool stored them before
-attention), so new tokens are attended to as stored: cache on = cache off in any format.
+fp16/bf16/fp32 caches, int8 ones (``INT8_KV``) or int4 ones (``INT4_KV``), and
+accumulate in float32. They read every position from the cache, the new tokens included
+(the pool stored them before attention), so new tokens are attended to as stored: cache
+on = cache off in any format. (int4 reads its own page's new tokens from the forward's
+``k``/``v``, which are what the pool staged: see below.)
 
 int8 (the ``int8`` format): codes c and, per (slot, KV head), a byte b naming the row's
 scale (``scales[b]``, the format's ``log_scales`` table); the stored row is ``y = c *
@@ -13,6 +15,38 @@ the codes in tiles and fold the scales into the products (``q . y = scale * (q .
 ``sum p x = (sum p y) @ R^T``, so ``forward`` rotates the queries before and the output
 (float32) back after them, two ``[T * Hq, D] x [D, D]`` matmuls per layer.
 
+int4 (``int4``, ``int4_norot``; quantized on seal, see ``radixkv.cache.sealing``): a
+sealed page holds 4-bit codes two to a byte (``[P, page_size, H, D / 2]``, the even
+channel in the low nibble), K's (scale, offset) per channel of the page (``[P, H, D,
+2]``) and V's per token (``[P, page_size, H, 2]``), both fp16; a stored element is
+``code * scale + offset``. A query at position p reads the pages before its own page
+(``p // page_size``) sealed, and its own page up to p in full precision:
+
+    keys     |== pages before p's page: int4 codes, in tiles ==|== p's page: float32 rows ==|
+    from        the pool (read in place)                          staging (cached tokens of the page)
+                                                                  or this call's k/v (new tokens)
+
+- Sealed tiles: the packed bytes ``[BLOCK_N, D / 2]`` are loaded once, split into their
+  nibbles and interleaved back into channel order (``tl.interleave``); K's scale and
+  offset are loaded per (page, channel) for the block's pages (a run of ``PARAM_RUN``
+  positions shares a page) and applied to the code tile in registers; V's per-token
+  scale is folded into the weights and its offset into one row sum (``sum_j p_j (c_j
+  s_j + o_j) = (p * s) @ c + sum_j p_j o_j``). Nothing is dequantized to memory.
+- Own page: a block that may hold a row's own page (``OWN``: the causal diagonal, and
+  in decode the sequence's last page) also reads those positions' float32 rows, from
+  the staging area (``Sealer.staging``: the page's staging slot) for tokens cached by
+  an earlier forward and from ``k``/``v`` for this call's, and takes per (row, position)
+  the sealed or the full-precision score and value. A page sealed by this call keeps its
+  staging rows until the forward ends; a page written whole (or any page of size 1) has
+  none, and all its positions are new.
+- Rotation (``int4``): sealed rows are stored rotated (``y = x @ R``), staged rows and
+  ``k``/``v`` are in the model's basis. As for int8, the kernels work in the stored
+  basis, with queries rotated before and the output rotated back after; the few
+  full-precision rows a block reads are turned into that basis as they are read (``x @
+  R``, one ``[BLOCK_N, D] x [D, D]`` product for K and one for V, in ``OWN`` blocks only),
+  so one accumulator and one copy of the queries serve both kinds of rows.
+  ``int4_norot`` has no rotation anywhere.
+
 - ``_decode_partial`` + ``_decode_reduce``: one new token per sequence. Each program
   takes one sequence, one KV head (with all query heads of its GQA group as the rows of
   a ``tl.dot``) and one slice of the context; slices are merged by their log-sum-exp in
@@ -21,20 +55,23 @@ the codes in tiles and fold the scales into the products (``q . y = scale * (q .
   sequence's new tokens, either for one query head or (``PACK_GQA``) for all query heads
   of one KV head packed into its rows, so K/V is read once per group. It streams its
   context (cached pages, then the new tokens the pool just stored): whole blocks
-  before its first row without any mask, then the causal diagonal masked; with a
-  sliding window it starts at the first row's window. Scores are in log2 units (exp2).
+  before its first row (int4: before its first row's page) without any mask, then the
+  causal diagonal masked; with a sliding window it starts at the first row's window.
+  Scores are in log2 units (exp2).
 
 Compiled, each program loops only over the context it needs (its split, or up to the
 last position its rows may see). Under ``TRITON_INTERPRET=1`` a loop over any runtime
 value fails with recent NumPy, so there the trip count is a constant (the batch's
-longest context in blocks) and masks do the rest; both variants share one block body.
-Page ids are widened to int64 before slot arithmetic.
+longest context in blocks) and masks do the rest (int4: every block ``OWN``); both
+variants share one block body. Page ids are widened to int64 before slot arithmetic.
 
 ``native_dot``: with a half-precision cache on a GPU, dot products take the cache dtype
-(tensor cores), and with an int8 cache the queries' dtype when it is half precision
-(codes -128..127 convert exactly); otherwise (fp32 caches or queries, the CPU
-interpreter, which computes bf16 wrongly) operands are upcast to fp32 and multiplied in
-IEEE fp32.
+(tensor cores), and with an int8 or int4 cache the queries' dtype when it is half
+precision (int8 codes -128..127 and int4's V codes 0..15 convert exactly; int4's K tile,
+codes with their page's parameters applied, is rounded to it, as the torch reference
+rounds the rows it gathers; full-precision rows are rotated in tf32); otherwise (fp32
+caches or queries, the CPU interpreter, which computes bf16 wrongly) operands are upcast
+to fp32 and multiplied in IEEE fp32.
 """
 
 from __future__ import annotations
@@ -58,12 +95,110 @@ def _tanh(x):
 
 
 @triton.jit
+def _load(ptrs, mask, USE_MASK: tl.constexpr):
+    """``tl.load``, masked (zeros elsewhere) only when ``USE_MASK``."""
+    if USE_MASK:
+        x = tl.load(ptrs, mask=mask, other=0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _mma(a, b, like, NATIVE_DOT: tl.constexpr):
+    """``a @ b``: in ``like``'s (half-precision) dtype on tensor cores when ``NATIVE_DOT``,
+    else in IEEE fp32."""
+    if NATIVE_DOT:
+        c = tl.dot(a.to(like.dtype), b.to(like.dtype))
+    else:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return c
+
+
+@triton.jit
+def _codes4(ptrs, mask, USE_MASK: tl.constexpr):
+    """A tile of packed 4-bit codes (``[N, BLOCK_D / 2]`` bytes at ``ptrs``) as float32
+    ``[N, BLOCK_D]`` in channel order: byte i holds channel 2i low, 2i + 1 high."""
+    packed = _load(ptrs, mask, USE_MASK)
+    return tl.interleave(packed & 15, packed >> 4).to(tl.float32)
+
+
+@triton.jit
+def _sealed4(
+    caches, strides, kv_indices, page_start, start, slot, limit, kvh, d, dmask,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PARAM_RUN: tl.constexpr, USE_MASK: tl.constexpr,
+):  # fmt: skip
+    """Positions start..start+BLOCK_N (at ``slot``) of sealed int4 pages, those before
+    ``limit`` (all when not ``USE_MASK``): K as float32 ``[BLOCK_N, BLOCK_D]`` (codes
+    with their page's per-channel scale and offset applied, in registers), V's codes
+    ``[BLOCK_N, BLOCK_D]`` and its per-token scale and offset ``[BLOCK_N]``; zeros
+    for positions not read. K's parameters are loaded once per run of ``PARAM_RUN``
+    positions in one page (``[BLOCK_N / PARAM_RUN, BLOCK_D]``)."""
+    k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
+    stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh = strides
+    seal = start + tl.arange(0, BLOCK_N) < limit
+    d2 = tl.arange(0, BLOCK_D // 2)
+    cmask = seal[:, None] & (d2 < HEAD_DIM // 2)[None, :]
+    coffs = slot[:, None] * stride_cs + kvh * stride_ch + d2[None, :]
+    k = _codes4(k_cache + coffs, cmask, USE_MASK)
+    v = _codes4(v_cache + coffs, cmask, USE_MASK)
+    RUNS: tl.constexpr = BLOCK_N // PARAM_RUN
+    run = start + tl.arange(0, RUNS) * PARAM_RUN
+    run_seal = run < limit
+    run_page = _load(kv_indices + page_start + run // PAGE_SIZE, run_seal, USE_MASK).to(tl.int64)
+    pair = tl.arange(0, 2)  # parameters come as (scale, offset) pairs: loaded together, then split
+    poffs = (run_page[:, None] * stride_kp + kvh * stride_kph + d[None, :] * 2)[:, :, None] + pair[None, None, :]
+    pmask = (run_seal[:, None] & dmask[None, :])[:, :, None]
+    k_scale, k_offset = tl.split(_load(k_params + poffs, pmask, USE_MASK).to(tl.float32))
+    k = tl.reshape(k, [RUNS, PARAM_RUN, BLOCK_D]) * k_scale[:, None, :] + k_offset[:, None, :]
+    voffs = (slot * stride_ps + kvh * stride_ph)[:, None] + pair[None, :]
+    v_scale, v_offset = tl.split(_load(v_params + voffs, seal[:, None], USE_MASK).to(tl.float32))
+    return tl.reshape(k, [BLOCK_N, BLOCK_D]), v, v_scale, v_offset
+
+
+@triton.jit
+def _own_rows(
+    caches, strides, pos, page, own_lo, seq_len, new_start, tok0, kvh, d, dmask,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NATIVE_DOT: tl.constexpr, ROTATED: tl.constexpr,
+):  # fmt: skip
+    """The float32 K and V rows ``[BLOCK_N, BLOCK_D]`` of positions ``pos`` in
+    ``[own_lo, seq_len)`` (zeros elsewhere), as a query in their page reads them: the
+    tokens cached before ``new_start`` from their page's staging slot, this call's from
+    ``k_new``/``v_new`` (token ``tok0 + pos``). ``ROTATED``: turned into the stored rows'
+    basis (``x @ R``; ``basis`` holds ``M = R^T``, the format's ``row_map``)."""
+    k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
+    stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh = strides
+    want = (pos >= own_lo) & (pos < seq_len)
+    cached = want & (pos < new_start)
+    stage_slot = tl.load(slot_of + page, mask=cached, other=-1)
+    staged = cached & (stage_slot >= 0)
+    fresh = want & (pos >= new_start)
+    soffs = (stage_slot * PAGE_SIZE + pos % PAGE_SIZE)[:, None] * stride_fs + kvh * stride_fh + d[None, :]
+    noffs = (tok0 + pos).to(tl.int64)[:, None] * stride_fs + kvh * stride_fh + d[None, :]
+    smask = staged[:, None] & dmask[None, :]
+    nmask = fresh[:, None] & dmask[None, :]
+    k = tl.load(k_stage + soffs, mask=smask, other=0.0) + tl.load(k_new + noffs, mask=nmask, other=0.0).to(tl.float32)
+    v = tl.load(v_stage + soffs, mask=smask, other=0.0) + tl.load(v_new + noffs, mask=nmask, other=0.0).to(tl.float32)
+    if ROTATED:
+        rot = tl.load(basis + d[None, :] * HEAD_DIM + d[:, None], mask=dmask[:, None] & dmask[None, :], other=0.0)  # R
+        if NATIVE_DOT:
+            k = tl.dot(k, rot, input_precision="tf32")
+            v = tl.dot(v, rot, input_precision="tf32")
+        else:
+            k = tl.dot(k, rot, input_precision="ieee")
+            v = tl.dot(v, rot, input_precision="ieee")
+    return k, v
+
+
+@triton.jit
 def _attend_block(
-    qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos, m_i, l_i, acc,
-    scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, start, seq_len, q_pos, new_start, tok0,
+    scale, softcap, window, kvh, d, dmask,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, INT8_KV: tl.constexpr,
+    INT4_KV: tl.constexpr, OWN: tl.constexpr, ROTATED: tl.constexpr, PARAM_RUN: tl.constexpr,
 ):  # fmt: skip
     """Fold context positions start..start+BLOCK_N into the online softmax of the query
     rows at positions ``q_pos`` (causal: a row sees positions <= its own).
@@ -73,10 +208,24 @@ def _attend_block(
     (inside the sequence, before the first row's position, no window): no bounds, causal
     or -inf handling.
 
+    ``caches``: the K/V caches, their parameters (``k_params``, ``v_params``), int8's
+    scale table, and int4's full-precision rows (``k_new``, ``v_new``, ``k_stage``,
+    ``v_stage``, ``slot_of``) and ``basis``; ``strides``: the caches' per slot and
+    head, the parameters' (V: per slot and head; int4's K: per page and head) and the
+    full-precision rows' (per row and head, shared by staging and the new tokens).
+    The new tokens are positions ``new_start`` on, token ``tok0 + pos`` of the forward.
+
     ``INT8_KV``: the caches hold int8 codes c and ``k_params``/``v_params`` a byte b per
     (slot, head); a stored element is ``c * scales[b]``. The scales are folded in, never
     applied to a tile: ``q . y = scale * (q . c)`` and ``sum_j p_j y_j = (p * scale) @
-    c``."""
+    c``.
+
+    ``INT4_KV``: pages before a row's own page are read sealed (``_sealed4``); with
+    ``OWN`` (the block may hold a row's own page, whose positions it then reads in full
+    precision, ``_own_rows``) each (row, position) takes one or the other. Without
+    ``OWN`` every position is before every row's own page."""
+    k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
+    stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh = strides
     pos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         valid = pos < seq_len
@@ -86,32 +235,51 @@ def _attend_block(
         page = tl.load(kv_indices + page_start + pos // PAGE_SIZE).to(tl.int64)
         kvmask = dmask[None, :]
     slot = page * PAGE_SIZE + pos % PAGE_SIZE
-    offs = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-    if MASKED or not EVEN_D:
-        k = tl.load(k_cache + offs, mask=kvmask, other=0.0)
-        v = tl.load(v_cache + offs, mask=kvmask, other=0.0)
+    if INT4_KV:
+        # each row's own page starts at own_start (rows past the sequence: its last page)
+        own_start = tl.minimum(q_pos, seq_len - 1) // PAGE_SIZE * PAGE_SIZE
+        limit = seq_len  # positions read sealed: before the last row's own page
+        if OWN:
+            limit = tl.minimum(tl.max(own_start, 0), seq_len)
+        k, v, v_scale, v_offset = _sealed4(
+            caches, strides, kv_indices, page_start, start, slot, limit, kvh, d, dmask,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PARAM_RUN, MASKED or not EVEN_D,
+        )  # fmt: skip
+        s = _mma(qv, tl.trans(k), qv, NATIVE_DOT)
+        if OWN:
+            k_full, v_full = _own_rows(
+                caches, strides, pos, page, tl.min(own_start, 0), seq_len, new_start, tok0, kvh, d, dmask,
+                PAGE_SIZE, HEAD_DIM, NATIVE_DOT, ROTATED,
+            )  # fmt: skip
+            own = pos[None, :] >= own_start[:, None]
+            s = tl.where(own, _mma(qv, tl.trans(k_full), qv, NATIVE_DOT), s)
     else:
-        k = tl.load(k_cache + offs)
-        v = tl.load(v_cache + offs)
-    if INT8_KV:
-        poffs = slot * stride_ps + kvh * stride_ph  # each position's scale byte
-        if MASKED:  # positions past the sequence read byte 0 (a valid entry), then weigh 0
-            k_byte = tl.load(k_params + poffs, mask=valid, other=0)
-            v_byte = tl.load(v_params + poffs, mask=valid, other=0)
+        offs = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        if MASKED or not EVEN_D:
+            k = tl.load(k_cache + offs, mask=kvmask, other=0.0)
+            v = tl.load(v_cache + offs, mask=kvmask, other=0.0)
         else:
-            k_byte = tl.load(k_params + poffs)
-            v_byte = tl.load(v_params + poffs)
-        k_scale = tl.load(scales + k_byte.to(tl.int32))
-        v_scale = tl.load(scales + v_byte.to(tl.int32))
-        if NATIVE_DOT:  # codes -128..127 are exact in fp16 and bf16
-            s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
+            k = tl.load(k_cache + offs)
+            v = tl.load(v_cache + offs)
+        if INT8_KV:
+            poffs = slot * stride_ps + kvh * stride_ph  # each position's scale byte
+            if MASKED:  # positions past the sequence read byte 0 (a valid entry), then weigh 0
+                k_byte = tl.load(k_params + poffs, mask=valid, other=0)
+                v_byte = tl.load(v_params + poffs, mask=valid, other=0)
+            else:
+                k_byte = tl.load(k_params + poffs)
+                v_byte = tl.load(v_params + poffs)
+            k_scale = tl.load(scales + k_byte.to(tl.int32))
+            v_scale = tl.load(scales + v_byte.to(tl.int32))
+            if NATIVE_DOT:  # codes -128..127 are exact in fp16 and bf16
+                s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
+            else:
+                s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            s = s * k_scale[None, :]
+        elif NATIVE_DOT:
+            s = tl.dot(qv, tl.trans(k))
         else:
             s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        s = s * k_scale[None, :]
-    elif NATIVE_DOT:
-        s = tl.dot(qv, tl.trans(k))
-    else:
-        s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
     if USE_SOFTCAP:
         s = softcap * _tanh(s * (scale / softcap)) * _LOG2E
     else:
@@ -129,7 +297,16 @@ def _attend_block(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if INT8_KV:
+    if INT4_KV:
+        if OWN:
+            p_own = tl.where(own, p, 0.0)
+            p = tl.where(own, 0.0, p)  # the weights of sealed positions
+        # sum_j p_j (c_j s_j + o_j) = (p * s) @ c + sum_j p_j o_j; codes 0..15 are exact in fp16 and bf16
+        pv = _mma(p * v_scale[None, :], v, qv, NATIVE_DOT) + tl.sum(p * v_offset[None, :], 1)[:, None]
+        if OWN:
+            pv += _mma(p_own, v_full, qv, NATIVE_DOT)
+        acc = acc * alpha[:, None] + pv
+    elif INT8_KV:
         pv = p * v_scale[None, :]
         if NATIVE_DOT:
             pv = tl.dot(pv.to(qv.dtype), v.to(qv.dtype))
@@ -145,13 +322,15 @@ def _attend_block(
 
 @triton.jit
 def _decode_partial(
-    q, k_cache, v_cache, k_params, v_params, scales, kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
+    q, k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis,
+    kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
     scale, softcap, window, chunk,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_ps, stride_ph,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr, INT8_KV: tl.constexpr,
+    INT4_KV: tl.constexpr, ROTATED: tl.constexpr, PARAM_RUN: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -172,19 +351,34 @@ def _decode_partial(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     lo = split * chunk
     q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
+    caches = (k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis)
+    strides = (stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh)
+    new_start = seq_len - 1  # the one new token: token b of the forward
+    tok0 = b - new_start
+    even_d = BLOCK_D == HEAD_DIM
     if DYNAMIC_LOOP:
-        for start in range(lo, tl.minimum(lo + chunk, seq_len), BLOCK_N):
+        end = tl.minimum(lo + chunk, seq_len)
+        own = end
+        if INT4_KV:  # blocks from the one holding the last page's start read it in full precision too
+            own = tl.minimum(tl.maximum(new_start // PAGE_SIZE * PAGE_SIZE // BLOCK_N * BLOCK_N, lo), end)
+        for start in range(lo, own, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
-                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM, INT8_KV,
+                qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, start, seq_len, q_pos, new_start, tok0,
+                scale, softcap, window, kvh, d, dmask, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV, INT4_KV, False, ROTATED, PARAM_RUN,
+            )  # fmt: skip
+        for start in range(own, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, start, seq_len, q_pos, new_start, tok0,
+                scale, softcap, window, kvh, d, dmask, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV, INT4_KV, INT4_KV, ROTATED, PARAM_RUN,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
-                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, lo + i * BLOCK_N, seq_len,
-                q_pos, m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, BLOCK_D == HEAD_DIM, INT8_KV,
+                qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, lo + i * BLOCK_N, seq_len, q_pos, new_start,
+                tok0, scale, softcap, window, kvh, d, dmask, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV, INT4_KV, INT4_KV, ROTATED, PARAM_RUN,
             )  # fmt: skip
     has = l_i > 0
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * _LN2, _NEG_INF)  # natural log
@@ -217,13 +411,16 @@ def _decode_reduce(
 
 @triton.jit
 def _extend(
-    q, o, k_cache, v_cache, k_params, v_params, scales, qo_indptr, kv_indptr, kv_indices, seq_lens,
+    q, o, k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis,
+    qo_indptr, kv_indptr, kv_indices, seq_lens,
     scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_ps, stride_ph,
+    stride_kp, stride_kph, stride_fs, stride_fh,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, PACK_GQA: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr, NUM_BLOCKS: tl.constexpr, INT8_KV: tl.constexpr,
+    INT4_KV: tl.constexpr, ROTATED: tl.constexpr, PARAM_RUN: tl.constexpr,
 ):  # fmt: skip
     # Grid (heads, row blocks, sequences), heads fastest: programs running side by side
     # read the same sequence's K/V (from L2). Row blocks go last to first, so the ones
@@ -257,36 +454,51 @@ def _extend(
     m_i = tl.full([BLOCK_M], _NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    caches = (k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis)
+    strides = (stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh)
+    new_start = seq_len - qo_len  # position new_start + i is token qo_start + i of the forward
+    tok0 = qo_start - new_start
     even_d = BLOCK_D == HEAD_DIM
     if DYNAMIC_LOOP:
-        # Positions before this block's first row are visible to every row: whole
-        # blocks of them need no masks. Then the diagonal, masked, up to the last row.
+        # Positions before this block's first row are visible to every row (int4: those
+        # before its page, read sealed by every row): whole blocks of them need no masks.
+        # Then the diagonal, masked (int4: with the rows' own pages), up to the last row.
         first = seq_len - qo_len + mb * BLOCK_Q
         hi = tl.where(mb * BLOCK_Q < qo_len, tl.minimum(seq_len, first + BLOCK_Q), 0)  # 0: no rows here
+        clean = first
+        if INT4_KV:
+            clean = first // PAGE_SIZE * PAGE_SIZE
+        own = tl.minimum(clean // BLOCK_N * BLOCK_N, hi)
         if USE_WINDOW:  # nothing before the first row's window; every block masked
-            lo = tl.minimum(tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N, hi)
+            lo = tl.minimum(tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N, own)
             full = lo
         else:
             lo = 0
-            full = tl.minimum(first // BLOCK_N * BLOCK_N, hi)
+            full = own
         for start in range(lo, full, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
-                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, False, even_d, INT8_KV,
+                qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, start, seq_len, q_pos, new_start, tok0,
+                scale, softcap, window, kvh, d, dmask, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, False, even_d, INT8_KV, INT4_KV, False, ROTATED, PARAM_RUN,
             )  # fmt: skip
-        for start in range(full, hi, BLOCK_N):
+        for start in range(full, own, BLOCK_N):  # (with a window)
             m_i, l_i, acc = _attend_block(
-                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, start, seq_len, q_pos,
-                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV,
+                qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, start, seq_len, q_pos, new_start, tok0,
+                scale, softcap, window, kvh, d, dmask, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV, INT4_KV, False, ROTATED, PARAM_RUN,
+            )  # fmt: skip
+        for start in range(own, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, start, seq_len, q_pos, new_start, tok0,
+                scale, softcap, window, kvh, d, dmask, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV, INT4_KV, INT4_KV, ROTATED, PARAM_RUN,
             )  # fmt: skip
     else:  # the interpreter: a constant trip count, masked
         for i in range(NUM_BLOCKS):
             m_i, l_i, acc = _attend_block(
-                qv, scales, k_cache, v_cache, k_params, v_params, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos,
-                m_i, l_i, acc, scale, softcap, window, stride_cs, stride_ch, stride_ps, stride_ph, kvh, d, dmask,
-                PAGE_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV,
+                qv, m_i, l_i, acc, caches, strides, kv_indices, page_start, i * BLOCK_N, seq_len, q_pos, new_start,
+                tok0, scale, softcap, window, kvh, d, dmask, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                USE_SOFTCAP, USE_WINDOW, NATIVE_DOT, True, even_d, INT8_KV, INT4_KV, INT4_KV, ROTATED, PARAM_RUN,
             )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(o.dtype.element_ty),
@@ -297,14 +509,24 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def _int8_kv(kv) -> bool:
-    """Whether ``kv`` holds int8 codes with a log-scale byte per (slot, KV head) beside
-    them (the ``int8`` format), which the kernels read with ``INT8_KV``; False
-    for elements stored as they are (fp32, fp16, bf16). Raises ValueError for the other
-    quantized formats (fp8 with per-head scales, int4 quantized per page)."""
+def _param_run(page_size: int, block_n: int) -> int:
+    """Positions of a block (aligned to ``block_n``) that share a page in runs of this
+    many: int4 loads K's per-channel parameters once per run. 1 when neither of page
+    size and block divides the other (a run per position)."""
+    if page_size % block_n == 0 or block_n % page_size == 0:
+        return min(page_size, block_n)
+    return 1
+
+
+def _kv_kind(kv) -> str | None:
+    """How the kernels read ``kv``: None for elements stored as they are (fp32, fp16,
+    bf16); ``"int8"``: int8 codes with a log-scale byte per (slot, KV head) beside them
+    (``INT8_KV``); ``"int4"``: a paged format's sealed 4-bit pages with its staging
+    area (``INT4_KV``). Raises ValueError for the other quantized formats (fp8 with
+    per-head scales) and for layouts the kernels do not address."""
     fmt = kv.format
     if not fmt.quantized:
-        return False
+        return None
     params = (kv.k_params, kv.v_params)
     if (
         fmt.dtype == torch.int8
@@ -313,7 +535,17 @@ def _int8_kv(kv) -> bool:
         and kv.v_params.stride() == kv.k_params.stride()
         and kv.v.stride() == kv.k.stride()
     ):
-        return True
+        return "int8"
+    if (
+        fmt.paged
+        and fmt.dtype == torch.uint8
+        and fmt.levels == 16
+        and kv.sealer is not None
+        and all(p is not None and p.dtype == torch.float16 and p.is_contiguous() for p in params)
+        and kv.k.is_contiguous()
+        and kv.v.is_contiguous()
+    ):
+        return "int4"
     raise ValueError(f"attention_backend 'triton' cannot read {fmt.dtype} KV yet: use torch or cpu")
 
 
@@ -322,7 +554,7 @@ class TritonBackend(AttentionBackend):
     each ``forward`` launches either the decode kernels or the extend kernel."""
 
     name = "triton"
-    quantized_dtypes = frozenset({torch.int8})  # the int8 format's pages; fp8 and int4 are refused
+    quantized_dtypes = frozenset({torch.int8, torch.uint8})  # the int8 format's pages and int4's (codes two to a byte)
     BLOCK_N = 16  # decode: context positions per loop step
     # extend (BLOCK_M query rows, BLOCK_N context positions), warps, pipeline stages.
     # Half-precision KV on an H100 (bench_attention's extend problem, 2026-11-22, with
@@ -359,44 +591,64 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         # The new tokens' K/V are read from ``kv`` (the pool stored them before this
         # call), never from ``k``/``v``: attended to as stored, int8 codes included.
+        # int4 reads the new tokens of its queries' own pages from ``k``/``v``: what
+        # its staging holds (or, for pages written whole, what sealed them).
         batch = self.batch
         k_cache, v_cache = kv.k, kv.v
         _, hq, dim = q.shape
         hkv = k_cache.shape[2]
+        page_size = k_cache.shape[1]
         group = hq // hkv
         q = q.contiguous()
         out_dtype = q.dtype
-        int8 = _int8_kv(kv)
-        unrotate = kv.format.row_map(dim, q.device) if int8 else None
+        kind = _kv_kind(kv)
+        unrotate = kv.format.row_map(dim, q.device) if kind else None
         if unrotate is not None:  # q . (y M) = (q M^T) . y: queries into the stored rows' basis
             q = (q.float() @ unrotate.T).to(out_dtype)
-        dot_dtype = q.dtype if int8 else k_cache.dtype  # int8 codes are converted to the queries' dtype
+        dot_dtype = q.dtype if kind else k_cache.dtype  # int8 and int4 codes are converted to the queries' dtype
         native = not self.interpret and dot_dtype in (torch.float16, torch.bfloat16) and q.dtype == dot_dtype
         flags = dict(
             USE_SOFTCAP=logit_softcap is not None, USE_WINDOW=sliding_window is not None, NATIVE_DOT=native,
-            GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=dim, BLOCK_D=_pow2(dim),
-            DYNAMIC_LOOP=not self.interpret, INT8_KV=int8,
+            GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=dim, BLOCK_D=_pow2(dim),
+            DYNAMIC_LOOP=not self.interpret, INT8_KV=kind == "int8", INT4_KV=kind == "int4",
+            ROTATED=kind == "int4" and unrotate is not None,
         )  # fmt: skip
         softcap = float(logit_softcap or 1.0)
         window = int(sliding_window or 0)
         stride_cs, stride_ch = k_cache.stride(1), k_cache.stride(2)  # per slot, per head
-        if int8:
+        # unused by the kernels unless their format's flag is set: any pointer will do
+        k_params, v_params, scales = k_cache, v_cache, k_cache
+        k_new, v_new, k_stage, v_stage, slot_of, basis = k_cache, v_cache, k_cache, v_cache, k_cache, k_cache
+        stride_ps = stride_ph = stride_kp = stride_kph = stride_fs = stride_fh = 0
+        if kind == "int8":
             k_params, v_params, scales = kv.k_params, kv.v_params, kv.format.log_scales(q.device)
             stride_ps, stride_ph = k_params.stride(1), k_params.stride(2)
-        else:  # unused by the kernels
-            k_params, v_params, scales, stride_ps, stride_ph = k_cache, v_cache, k_cache, 0, 0
-        # rotated int8: the output is in the stored basis until multiplied back, in float32
+        elif kind == "int4":
+            k_params, v_params = kv.k_params, kv.v_params
+            stride_ps, stride_ph = v_params.stride(1), v_params.stride(2)  # V: per slot, per head
+            stride_kp, stride_kph = k_params.stride(0), k_params.stride(1)  # K: per page, per head
+            k_stage, v_stage, slot_of = kv.sealer.staging(kv.layer)  # [capacity, page_size, Hkv, D] float32
+            if k_stage.numel() == 0:  # no staging slots: never read
+                k_stage = v_stage = torch.zeros(1, device=q.device)
+            # staging rows and the new tokens' ([T, Hkv, D]) alike: contiguous rows of Hkv * D
+            k_stage, v_stage, k_new, v_new = (t.contiguous() for t in (k_stage, v_stage, k, v))
+            stride_fs, stride_fh = hkv * dim, dim
+            basis = unrotate if unrotate is not None else k_stage
+        rows = (k_new, v_new, k_stage, v_stage, slot_of, basis)
+        # rotated int8 or int4: the output is in the stored basis until multiplied back, in float32
         out = torch.empty_like(q) if unrotate is None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode:
             b = q.shape[0]
             mid_o = torch.empty(b * hq * self.num_splits, dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(b * hq * self.num_splits, dtype=torch.float32, device=q.device)
             _decode_partial[(b, hkv, self.num_splits)](
-                q, k_cache, v_cache, k_params, v_params, scales, batch.kv_indptr, batch.kv_indices, self.seq_lens,
-                mid_o, mid_lse, scale, softcap, window, self.chunk,
-                q.stride(0), q.stride(1), stride_cs, stride_ch, stride_ps, stride_ph,
+                q, k_cache, v_cache, k_params, v_params, scales, *rows,
+                batch.kv_indptr, batch.kv_indices, self.seq_lens, mid_o, mid_lse, scale, softcap, window, self.chunk,
+                q.stride(0), q.stride(1), stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph,
+                stride_fs, stride_fh,
                 BLOCK_H=_pow2(group), BLOCK_N=self.BLOCK_N, NUM_SPLITS=self.num_splits,
-                NUM_BLOCKS=self._static_blocks(self.chunk, self.BLOCK_N), **flags,
+                NUM_BLOCKS=self._static_blocks(self.chunk, self.BLOCK_N),
+                PARAM_RUN=_param_run(page_size, self.BLOCK_N), **flags,
             )  # fmt: skip
             _decode_reduce[(b, hq)](
                 mid_o, mid_lse, out, out.stride(0), out.stride(1),
@@ -408,12 +660,13 @@ class TritonBackend(AttentionBackend):
             block_q = block_m // group if pack else block_m
             grid = (hkv if pack else hq, triton.cdiv(self.max_qo_len, block_q), len(batch.qo_lens))
             _extend[grid](
-                q, out, k_cache, v_cache, k_params, v_params, scales,
+                q, out, k_cache, v_cache, k_params, v_params, scales, *rows,
                 batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens, scale, softcap, window,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch, stride_ps, stride_ph,
+                stride_kp, stride_kph, stride_fs, stride_fh,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_Q=block_q, PACK_GQA=pack,
-                NUM_BLOCKS=self._static_blocks(self.max_seq_len, block_n), **flags,
-                num_warps=self.EXTEND_WARPS, num_stages=self.EXTEND_STAGES,
+                NUM_BLOCKS=self._static_blocks(self.max_seq_len, block_n), PARAM_RUN=_param_run(page_size, block_n),
+                **flags, num_warps=self.EXTEND_WARPS, num_stages=self.EXTEND_STAGES,
             )  # fmt: skip
         if unrotate is not None:  # sum p (y M) = (sum p y) M
             out = (out @ unrotate).to(out_dtype)

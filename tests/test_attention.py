@@ -386,5 +386,4 @@ def test_int4_page_bytes_depend_only_on_its_tokens_and_staging_is_returned():
     assert PoolConfig(**shape, page_size=64, kv_dtype="int4").bytes_per_page / (4 * fp32) == 4.5 / 32  # q4_0's bits
     with pytest.raises(ValueError, match="head_dim must be even"):
         PoolConfig(1, 1, 7, 4, kv_dtype="int4", num_pages=1)
-    with pytest.raises(ValueError, match="cannot read torch.uint8 KV"):
-        get_backend(available("triton"), dtype=torch.uint8)
+    assert get_backend(available("triton"), dtype=torch.uint8).name == "triton"  # reads int4 in its tiles

@@ -16,15 +16,22 @@ import pytest
 
 POINTERS = {"mid_o": "*fp32", "mid_lse": "*fp32",
             "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "qo_indptr": "*i32"}  # fmt: skip
-DATA = {"q", "o", "k_cache", "v_cache", "k_params", "v_params", "scales"}
+DATA = {"q", "o", "k_cache", "v_cache", "k_params", "v_params", "scales",
+        "k_new", "v_new", "k_stage", "v_stage", "slot_of", "basis"}  # fmt: skip
 INT8 = {"o": "*fp32", "k_cache": "*i8", "v_cache": "*i8", "k_params": "*u8", "v_params": "*u8", "scales": "*fp32"}
+# int4: packed codes, fp16 (scale, offset) pairs, float32 staging rows and their page map, the row map
+INT4_PAGES = {"k_cache": "*u8", "v_cache": "*u8", "k_params": "*fp16", "v_params": "*fp16", "scales": "*u8",
+              "k_stage": "*fp32", "v_stage": "*fp32", "slot_of": "*i64", "basis": "*fp32"}  # fmt: skip
+KV_POINTERS = {"i8": INT8, "u4": {**INT4_PAGES, "o": "*fp32"}, "u4_norot": INT4_PAGES}
 FLOATS = {"scale", "softcap"}
 
 
 def compile_kernel(kernel, dtype, kv=None, **constexprs):
     """Compile ``kernel`` for sm_90 with its data pointers of ``dtype``. ``kv="i8"``: int8
     caches with a log-scale byte per row, the scale table, and a float32 output (``INT8_KV``);
-    otherwise the caches are ``dtype`` too and the parameter pointers (unused) take the
+    ``kv="u4"`` (rotated: a float32 output) or ``"u4_norot"``: int4 pages, their
+    parameters, staging and row map, and the new tokens' K/V in ``dtype`` (``INT4_KV``);
+    otherwise the caches are ``dtype`` too and the format pointers (unused) take the
     caches, as ``TritonBackend.forward`` passes them."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -35,8 +42,8 @@ def compile_kernel(kernel, dtype, kv=None, **constexprs):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
-        elif kv == "i8" and name in INT8:
-            signature[name] = INT8[name]
+        elif name in KV_POINTERS.get(kv, {}):
+            signature[name] = KV_POINTERS[kv][name]
         elif name in DATA:
             signature[name] = f"*{dtype}"
         elif name in POINTERS:
@@ -51,35 +58,52 @@ def compile_kernel(kernel, dtype, kv=None, **constexprs):
         raise RuntimeError(f"{kernel.__name__}: no cubin")
 
 
-ATTN = dict(PAGE_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=16, NUM_BLOCKS=1)
+ATTN = dict(HEAD_DIM=128, BLOCK_D=128, NUM_BLOCKS=1)
 VARIANTS = [
-    # dtype (of the queries), native dot, dynamic loops (the GPU path), softcap, window, group, cache
-    ("fp16", True, True, False, False, 4, None),
-    ("bf16", True, True, True, True, 8, None),
-    ("fp32", False, True, False, False, 1, None),
-    ("bf16", False, False, False, True, 4, None),  # what the interpreter runs
-    # int8 caches (codes + fp16 scale and offset): half queries on tensor cores, fp32 queries in IEEE fp32
-    ("fp16", True, True, False, False, 4, "i8"),
-    ("bf16", True, True, True, True, 8, "i8"),
-    ("fp32", False, True, False, True, 3, "i8"),
-    ("fp32", False, False, True, True, 3, "i8"),  # what the interpreter runs
+    # dtype (of the queries), native dot, dynamic loops (the GPU path), softcap, window, group, cache, page size
+    ("fp16", True, True, False, False, 4, None, 16),
+    ("bf16", True, True, True, True, 8, None, 16),
+    ("fp32", False, True, False, False, 1, None, 16),
+    ("bf16", False, False, False, True, 4, None, 16),  # what the interpreter runs
+    # int8 caches (codes + a log-scale byte): half queries on tensor cores, fp32 queries in IEEE fp32
+    ("fp16", True, True, False, False, 4, "i8", 16),
+    ("bf16", True, True, True, True, 8, "i8", 16),
+    ("fp32", False, True, False, True, 3, "i8", 16),
+    ("fp32", False, False, True, True, 3, "i8", 16),  # what the interpreter runs
+    # int4 pages, rotated or not; K's parameters loaded per page (16) or per position (3, 1).
+    # Only the GPU's loops: the interpreter's run in tests/test_triton_int4.py (and its
+    # compiles are slow: an int4 block body holds four or six dots)
+    ("bf16", True, True, True, True, 8, "u4", 16),
+    ("fp16", True, True, False, False, 4, "u4_norot", 3),
+    ("fp32", False, True, False, True, 3, "u4", 1),
 ]
+INT4_KV = ("u4", "u4_norot")
+
+
+def blocks(page_size: int, block_n: int) -> dict:
+    """``BLOCK_N`` and K's int4 parameter runs (``PARAM_RUN``) as ``forward`` sizes them."""
+    from radixkv.kernels.triton_backend import _param_run
+
+    return dict(BLOCK_N=block_n, PARAM_RUN=_param_run(page_size, block_n))
 
 
 def compile_all() -> int:
     from radixkv.kernels import triton_backend as tb
 
     count = 0
-    for dtype, native, dynamic, softcap, window, group, kv in VARIANTS:
+    for dtype, native, dynamic, softcap, window, group, kv, page_size in VARIANTS:
         flags = dict(USE_SOFTCAP=softcap, USE_WINDOW=window, NATIVE_DOT=native, DYNAMIC_LOOP=dynamic, GROUP=group,
-                     INT8_KV=kv == "i8")  # fmt: skip
-        compile_kernel(tb._decode_partial, dtype, kv, BLOCK_H=16, NUM_SPLITS=8, **flags, **ATTN)
-        compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **ATTN)
-        compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64 // group, PACK_GQA=True, **flags, **ATTN)
-        count += 3
-        if native and dynamic:  # the tiles the GPU runs for half-precision queries (and KV, or int8 KV)
+                     PAGE_SIZE=page_size, INT8_KV=kv == "i8", INT4_KV=kv in INT4_KV, ROTATED=kv == "u4")  # fmt: skip
+        small = {**ATTN, **blocks(page_size, 16)}
+        compile_kernel(tb._decode_partial, dtype, kv, BLOCK_H=16, NUM_SPLITS=8, **flags, **small)
+        compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64 // group, PACK_GQA=True, **flags, **small)
+        count += 2
+        if kv not in INT4_KV:  # (int4 reads K/V the same in either row layout)
+            compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **small)
+            count += 1
+        if native and dynamic:  # the tiles the GPU runs for half-precision queries (and KV, or int8/int4 KV)
             block_m, block_n = tb.TritonBackend.EXTEND_HALF
-            tiles = dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, PACK_GQA=True, BLOCK_N=block_n)
+            tiles = dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, PACK_GQA=True, **blocks(page_size, block_n))
             compile_kernel(tb._extend, dtype, kv, **flags, **{**ATTN, **tiles})
             count += 1
     for dtype in ("fp16", "bf16", "fp32"):
@@ -93,8 +117,8 @@ def test_every_kernel_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    # per variant: decode, extend per head, extend packed (+ the GPU's half tiles); 3 reduces
-    expected = 3 * len(VARIANTS) + sum(1 for v in VARIANTS if v[1] and v[2]) + 3
+    # per variant: decode, extend packed, extend per head (not int4) (+ the GPU's half tiles); 3 reduces
+    expected = sum(2 + (v[6] not in INT4_KV) + (v[1] and v[2]) for v in VARIANTS) + 3
     assert f"compiled {expected} kernel variants for sm_90" in out.stdout
 
 

@@ -104,17 +104,17 @@ def test_new_tokens_are_read_as_stored():
     assert (outs[1].cpu().double() - ref).abs().max() < 2e-5
 
 
-def test_registry_reads_int8_on_triton_and_refuses_fp8_and_int4():
+def test_registry_reads_int8_and_int4_on_triton_and_refuses_fp8():
     pytest.importorskip("triton")
-    assert get_backend("triton", dtype=torch.int8).name == "triton"
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):  # fp8; int4 (codes two to a uint8)
+    for dtype in (torch.int8, torch.uint8):  # int8; int4 (codes two to a uint8)
+        assert get_backend("triton", dtype=dtype).name == "triton"
+        assert get_backend("auto", "cuda", dtype).name == "triton"
+        assert get_backend("auto", "cuda:0", dtype, torch.bfloat16).name == "triton"
+        assert get_backend("auto", "cuda", dtype, torch.float32).name == "triton"
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         message = f"attention_backend 'triton' cannot read {dtype} KV yet: use torch or cpu"
         with pytest.raises(ValueError, match=message):
             get_backend("triton", dtype=dtype)
-    assert get_backend("auto", "cuda", torch.int8).name == "triton"
-    assert get_backend("auto", "cuda:0", torch.int8, torch.bfloat16).name == "triton"
-    assert get_backend("auto", "cuda", torch.int8, torch.float32).name == "triton"
-    for dtype in (torch.float8_e4m3fn, torch.uint8):
         assert get_backend("auto", "cuda", dtype, torch.float32).name == "torch"
     assert get_backend("torch", dtype=torch.uint8).name == "torch"
 
