@@ -242,3 +242,14 @@ def test_release_frees_sole_owned_pages_and_drops_shared_ones_by_one():
         alloc.release(np.array([pages[1], pages[1]], dtype=np.int32))
     assert alloc.refcount(pages).tolist() == [0, 1, 0] and alloc.num_free() == 7
     alloc.check_integrity()
+
+
+def test_int4_pool_with_an_odd_number_of_slots():
+    """Packed 4-bit codes: a pool of 5 pages of 3 tokens (15 slots) builds, stores and reads back."""
+    pool = KVPool(PoolConfig(1, 2, 8, 3, kv_dtype="int4", num_pages=5))
+    pages = pool.alloc(5)
+    k = torch.randn(15, 2, 8)
+    pool.store_kv(0, k, k, pool.slots(pages, 0, 15))
+    back, _ = pool.read_kv(0, pool.slots(pages, 0, 15))
+    assert (back - k).abs().max() < 0.5 * k.abs().max()
+    pool.check_integrity()

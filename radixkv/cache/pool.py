@@ -328,7 +328,7 @@ class KVPool(PageAllocator):
             self.k_params = [torch.zeros(k_params, dtype=fmt.scale_dtype, device=device) for _ in layers]
             self.v_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
         self.sealer = Sealer(self) if fmt.paged else None
-        rows = (-1, config.num_kv_heads, config.head_dim)
+        rows = (-1, config.num_kv_heads, codes[3])  # one slot's row (a paged format's packed codes)
         # index_copy_ has no CPU kernel for 8-bit floats: write their bytes
         as_rows = (lambda t: t.view(rows).view(torch.uint8)) if fmt.head_scaled else (lambda t: t.view(rows))
         self._k_rows = [as_rows(t) for t in self.k]
