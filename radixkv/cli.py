@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--host-pages", type=_positive, default=None,
                      help="a host tier of this many pages below the pool (evictions demote there, matches promote "
                           "back); hit rates count both, and a 'from host' row says how much came from it")  # fmt: skip
+    sim.add_argument("--store-pages", type=_positive, default=None,
+                     help="a store of this many pages below those (written back as pages leave the tiers above); "
+                          "a 'from store' row says what it served")  # fmt: skip
     sim.add_argument("--in-flight", type=_positive, default=d.in_flight, help="requests in flight at once (default 1)")
     sim.add_argument("--chunk-size", type=int, default=d.chunk_size,
                      help=f"prefill chunk in tokens, as the engine's --chunked-prefill-size; 0: whole prompts "
@@ -226,12 +229,13 @@ def cmd_sim(args) -> int:
     if args.pool_bytes:  # a model that cannot be read, or a pool too small for a page: main's error exit
         per_page = _bytes_per_page(args.model, args.kv_dtype, args.page_size)
         result = sim.byte_sweep(trace, args.page_size, args.pool_bytes, per_page, args.policy, args.in_flight,
-                                chunk_size=args.chunk_size or None, host_pages=args.host_pages)  # fmt: skip
+                                chunk_size=args.chunk_size or None, host_pages=args.host_pages,
+                                store_pages=args.store_pages)  # fmt: skip
         table = sim.format_byte_table(result)
     else:
         result = sim.sweep(
             trace, args.page_size, args.policy, args.capacity, args.capacity_pages, args.in_flight, not args.no_belady,
-            chunk_size=args.chunk_size or None, host_pages=args.host_pages,
+            chunk_size=args.chunk_size or None, host_pages=args.host_pages, store_pages=args.store_pages,
         )  # fmt: skip
         table = sim.format_table(result)
     print(f"{title}: {len(trace)} requests, {result['unique_pages']} unique pages of {args.page_size} tokens")

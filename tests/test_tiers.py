@@ -230,10 +230,11 @@ def test_server_killed_and_restarted_serves_the_document_from_lmdb(tmp_path):
         assert again["meta_info"]["cached_tokens"] == 0  # nothing left anywhere
 
 
-def test_sim_host_tier_recovers_the_unlimited_hit_rate(capsys):
+def test_sim_tiers_recover_the_unlimited_hit_rate(capsys):
     """`radixkv sim`: a device pool at 10% of the unique pages loses most hits; a host
-    tier that holds them all brings the hit rate back to the unlimited one, and the
-    table says how much came from the host."""
+    tier that holds them all brings the hit rate back to the unlimited one, as does a
+    small host tier over a store that holds them all; the table says which tier served
+    how much."""
     from radixkv.cache import sim, traces
     from radixkv.cli import main
 
@@ -247,6 +248,9 @@ def test_sim_host_tier_recovers_the_unlimited_hit_rate(capsys):
     assert tiered.hit_tokens == unlimited.hit_tokens and tiered.host_hit_tokens > 0
     assert alone.hit_tokens < small.hit_tokens < tiered.hit_tokens
     assert tiered.cached_per_request == unlimited.cached_per_request
-    assert main(["sim", "--workload", "multi_turn", "--capacity", "0.1", "--host-pages", str(cap), "--no-belady",
-                 "--policy", "lru"]) == 0  # fmt: skip
-    assert "from host" in capsys.readouterr().out
+    stored = sim.replay(trace, cap, 16, host_pages=cap, store_pages=unlimited.cached_pages)  # host overflows to it
+    assert stored.hit_tokens == unlimited.hit_tokens and stored.store_hit_tokens > 0 and stored.host_hit_tokens > 0
+    assert main(["sim", "--workload", "multi_turn", "--capacity", "0.1", "--host-pages", str(cap), "--store-pages",
+                 str(cap), "--no-belady", "--policy", "lru"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "from host" in out and "from store" in out

@@ -30,6 +30,7 @@ from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.policy import EvictionPolicy, make_policy
 from radixkv.cache.pool import PageAllocator
 from radixkv.cache.radix import Node, RadixCache
+from radixkv.cache.store import MemoryStore, PageStore
 from radixkv.cache.tiers import HostTier, KVTiers
 from radixkv.cache.traces import VOCAB, TraceRequest
 from radixkv.validate import ceil_div
@@ -51,6 +52,7 @@ class SimResult:
     cached_pages: int  # in the tree at the end
     cached_per_request: tuple[int, ...] = ()  # prompt tokens each request took from the cache
     host_hit_tokens: int = 0  # of hit_tokens, those promoted from the host tier (the rest: the device's tree)
+    store_hit_tokens: int = 0  # of hit_tokens, those promoted from the store tier
 
     @property
     def hit_rate(self) -> float:
@@ -93,10 +95,12 @@ def replay(
     in_flight: int = 1,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     host_pages: int | None = None,
+    store_pages: int | None = None,
 ) -> SimResult:
     """Replay ``trace`` with ``capacity_pages`` pages (None: unlimited), and with
-    ``host_pages`` a host tier of that many pages below them (radixkv.cache.tiers:
-    eviction demotes, admission promotes; ``hit_tokens`` counts both tiers).
+    ``host_pages`` a host tier of that many pages below them, with ``store_pages`` a
+    store of that many pages below those (radixkv.cache.tiers: eviction demotes,
+    writing back; admission promotes; ``hit_tokens`` counts every tier).
 
     ``policy`` is a registered name or ``"belady"``. With ``in_flight`` > 1 a request
     stays locked until ``in_flight`` newer ones have arrived, so it neither shares its
@@ -117,8 +121,10 @@ def replay(
     allocator = PageAllocator(capacity_pages)
     tree = RadixCache(allocator, page_size, policy)
     tiers = None
-    if host_pages:
-        tiers = KVTiers(allocator, "sim", "sim", HostTier(host_pages, page_cost=1), page_size=page_size)
+    if host_pages or store_pages:
+        host = HostTier(host_pages, page_cost=1) if host_pages else None
+        store = PageStore(MemoryStore(store_pages), {"sim": page_size}) if store_pages else None
+        tiers = KVTiers(allocator, "sim", "sim", host, store, page_size=page_size)
     kv = KVCacheManager(allocator, tree, page_size, tiers)
     outputs = _outputs(trace)
     running: deque = deque()  # (seq, tokens) in flight, oldest first
@@ -161,10 +167,11 @@ def replay(
         finish_oldest()
     kv.check([])
     host_hits = tiers.stats.host_hit_tokens if tiers is not None else 0
+    store_hits = tiers.stats.store_hit_tokens if tiers is not None else 0
     return SimResult(
         policy.name, capacity_pages, page_size, in_flight, len(trace), rejected,
-        tree.queried_tokens, tree.hit_tokens + host_hits, tree.evicted_pages, tree.cached_pages, tuple(cached),
-        host_hits,
+        tree.queried_tokens, tree.hit_tokens + host_hits + store_hits, tree.evicted_pages, tree.cached_pages,
+        tuple(cached), host_hits, store_hits,
     )  # fmt: skip
 
 
@@ -283,9 +290,10 @@ def sweep(
     belady: bool = True,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     host_pages: int | None = None,
+    store_pages: int | None = None,
 ) -> dict:
     """Replay every policy (and Belady) at every capacity, plus the unlimited bound;
-    with ``host_pages``, a host tier of that many pages below every capacity.
+    with ``host_pages`` / ``store_pages``, those tiers below every capacity.
 
     Capacities are ``capacity_pages`` when given, else ``fractions`` of the trace's
     unique pages (what unlimited capacity ends up caching). Returns a JSON-ready dict:
@@ -299,7 +307,7 @@ def sweep(
     runs = []
     for name in (*policies, *(("belady",) if belady else ())):
         for cap in capacity_pages:
-            result = replay(trace, cap, page_size, name, in_flight, chunk_size, host_pages)
+            result = replay(trace, cap, page_size, name, in_flight, chunk_size, host_pages, store_pages)
             runs.append({**result.as_dict(), "capacity_fraction": cap / unique if unique else 0.0})
     return {"unique_pages": unique, "unlimited": unlimited.as_dict(), "runs": runs}
 
@@ -313,6 +321,7 @@ def byte_sweep(
     in_flight: int = 1,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     host_pages: int | None = None,
+    store_pages: int | None = None,
 ) -> dict:
     """Replay every policy at every pool size in bytes for every KV format
     (``bytes_per_page``: format name -> bytes of one page of it, all layers, K and V,
@@ -330,7 +339,7 @@ def byte_sweep(
             if pages < 1:
                 raise ValueError(f"pool_bytes {size} holds no page of {fmt} ({per_page} bytes per page)")
             for name in policies:
-                result = replay(trace, pages, page_size, name, in_flight, chunk_size, host_pages)
+                result = replay(trace, pages, page_size, name, in_flight, chunk_size, host_pages, store_pages)
                 runs.append({**result.as_dict(), "capacity_fraction": pages / unique if unique else 0.0,
                              "kv_dtype": fmt, "pool_bytes": size, "bytes_per_page": per_page})  # fmt: skip
     return {"unique_pages": unique, "unlimited": unlimited.as_dict(), "runs": runs}
@@ -378,9 +387,10 @@ def format_table(result: dict) -> str:
     for name in dict.fromkeys(r["policy"] for r in runs):
         by_cap = {r["capacity_pages"]: r for r in runs if r["policy"] == name}
         rows.append([name] + [f"{100 * by_cap[c]['hit_rate']:.2f}" for c in caps])
-        if any(r.get("host_hit_tokens") for r in by_cap.values()):
-            rows.append(["  from host"] + [f"{100 * by_cap[c]['host_hit_tokens'] / max(by_cap[c]['queried_tokens'], 1):.2f}"
-                                           for c in caps])  # fmt: skip
+        for tier in ("host", "store"):
+            if any(r.get(f"{tier}_hit_tokens") for r in by_cap.values()):
+                rows.append([f"  from {tier}"] + [f"{100 * by_cap[c][f'{tier}_hit_tokens'] / max(by_cap[c]['queried_tokens'], 1):.2f}"
+                                                  for c in caps])  # fmt: skip
     rows.append(["unlimited"] + [f"{100 * result['unlimited']['hit_rate']:.2f}"] * len(caps))
     return _render(rows)
 

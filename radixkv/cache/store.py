@@ -431,6 +431,50 @@ class RedisStore(KVStore):
         self.client.close()
 
 
+class MemoryStore(KVStore):
+    """Entries in this process's memory, at most ``max_entries`` of them, least recently
+    used out first: the simulator's store tier (``radixkv sim --store-pages``)."""
+
+    spec = "memory"
+
+    def __init__(self, max_entries: int):
+        from collections import OrderedDict
+
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def longest_prefix(self, keys):
+        n = 0
+        while n < len(keys) and keys[n] in self._entries:
+            n += 1
+        return n
+
+    def get(self, keys):
+        out = []
+        for key in keys:
+            blob = self._entries.get(key)
+            if blob is not None:
+                self._entries.move_to_end(key)
+            out.append(blob)
+        return out
+
+    def put(self, items):
+        for key, blob in items:
+            self._entries.pop(key, None)
+            self._entries[key] = blob
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def delete(self, keys):
+        return sum(self._entries.pop(k, None) is not None for k in keys)
+
+    def clear(self):
+        self._entries.clear()
+
+    def usage(self):
+        return {"entries": len(self._entries), "bytes": sum(map(len, self._entries.values())), "max_bytes": None}
+
+
 def check_store_spec(spec, field: str = "kv_store") -> str:
     """``spec``'s engine (``lmdb`` or ``redis``), or ValueError naming ``field``."""
     if isinstance(spec, str) and spec.startswith("lmdb:") and len(spec) > 5:
