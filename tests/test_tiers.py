@@ -143,13 +143,21 @@ def test_a_corrupted_store_entry_is_a_miss_deleted_and_recomputed(tmp_path):
     assert fresh.prefill(DOC).cached_tokens == 40  # the recomputed page 3 was stored again, whole
 
 
-def test_flush_empties_the_host_tier_and_the_store_only_when_asked(tmp_path):
-    node = Node({}, host_bytes=1 << 20, store=open_store(f"lmdb:{tmp_path / 'kv'}"))
+def test_flush_empties_each_tier_when_asked(tmp_path):
+    node = Node({"write": "through"}, host_bytes=1 << 20, store=open_store(f"lmdb:{tmp_path / 'kv'}"))
     node.prefill(DOC)
     node.prefill(OTHER)
-    assert len(node.tiers.host) and node.tiers.store.usage()["entries"] == 0  # write-back: nothing left the host
-    node.kv.flush()
-    assert len(node.tiers.host) == 0 and node.pool.num_free() == node.pool.num_pages
+    stored = node.tiers.store.usage()["entries"]
+    assert len(node.tiers.host) and stored == 20  # write-through: every page of both
+    node.kv.flush("host")
+    assert len(node.tiers.host) == 0 and node.pool.num_free() < node.pool.num_pages
+    node.kv.flush("device")  # without demoting: the host tier stays empty
+    assert node.pool.num_free() == node.pool.num_pages and len(node.tiers.host) == 0
+    assert node.tiers.store.usage()["entries"] == stored and node.prefill(DOC).cached_tokens == 40  # from the store
+    node.kv.flush("all")
+    assert node.tiers.store.usage()["entries"] == 0 and node.pool.num_free() == node.pool.num_pages
+    with pytest.raises(ValueError, match="tiers must be one of memory, device, host, store, all"):
+        node.kv.flush("disk")
     node.kv.check([])
 
 
@@ -223,7 +231,7 @@ def test_server_killed_and_restarted_serves_the_document_from_lmdb(tmp_path):
                    for f in text_string_to_metric_families(httpx.get(second.url + "/metrics").text) for s in f.samples}  # fmt: skip
         assert samples[("radixkv_prefix_cache_tier_hit_tokens_total", (("tier", "store"),))] == two["meta_info"]["cached_tokens"]
         assert samples[("radixkv_kv_store_corrupt_total", ())] == 0
-        bad = httpx.post(second.url + "/flush_cache?tiers=disk")
+        bad = httpx.post(second.url + "/flush_cache?tiers=disk")  # the tiers are memory, device, host, store, all
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tiers"
         assert httpx.post(second.url + "/flush_cache?tiers=all").json() == {"flushed": True}
         again = httpx.post(second.url + "/generate", json=body, timeout=120).json()

@@ -52,6 +52,7 @@ from radixkv.errors import IntegrityError
 from radixkv.validate import ceil_div
 
 _EMPTY = np.empty(0, dtype=np.int32)
+FLUSH_TIERS = ("memory", "device", "host", "store", "all")  # what flush empties; memory = device + host
 
 
 @dataclass(eq=False)
@@ -208,19 +209,24 @@ class KVCacheManager:
         self.pool.free(seq.pages[seq.published // self.page_size :])
         self._set(seq, _EMPTY, None, 0)
 
-    def flush(self, store: bool = False) -> int:
-        """Evict every unlocked page of the tree without demoting it, and empty the host
-        tier; with ``store``, the store too. Returns how many pool pages went free."""
-        if self.tree is None:
-            return 0
-        hook, self.tree.on_evict = self.tree.on_evict, None
-        try:
-            freed = self.tree.evict(self.tree.cached_pages)
-        finally:
-            self.tree.on_evict = hook
+    def flush(self, tiers: str = "memory") -> int:
+        """Empty cache tiers (``FLUSH_TIERS``): ``device`` evicts every unlocked page of
+        the tree without demoting it, ``host`` and ``store`` empty those tiers; ``memory``
+        is device and host, ``all`` every tier. Returns how many pool pages went free.
+        Raises ValueError for another name."""
+        if tiers not in FLUSH_TIERS:
+            raise ValueError(f"tiers must be one of {', '.join(FLUSH_TIERS)}, got {tiers!r}")
+        freed = 0
+        if self.tree is not None and tiers in ("device", "memory", "all"):
+            hook, self.tree.on_evict = self.tree.on_evict, None
+            try:
+                freed = self.tree.evict(self.tree.cached_pages)
+            finally:
+                self.tree.on_evict = hook
         if self.tiers is not None:
-            self.tiers.flush("host")
-            if store:
+            if tiers in ("host", "memory", "all"):
+                self.tiers.flush("host")
+            if tiers in ("store", "all"):
                 self.tiers.flush("store")
         return freed
 

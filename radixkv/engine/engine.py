@@ -17,6 +17,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
+from radixkv.cache.manager import FLUSH_TIERS
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.constrain import Constraint, Grammar
 from radixkv.engine.loop import EngineLoop
@@ -259,11 +260,14 @@ class Engine:
         engine keeps serving what comes after."""
         self._commands.put(AbortAll())
 
-    def flush_cache(self, store: bool = False) -> bool:
-        """Empty the prefix cache: the pool's pages and the host tier; with ``store``,
-        the KV store too (which other processes may share). Only when no request is
-        queued or running: returns False (and does nothing) otherwise."""
-        return self._query("flush_all" if store else "flush")
+    def flush_cache(self, tiers: str = "memory") -> bool:
+        """Empty the prefix cache's tiers: ``memory`` (default: the pool's pages and the
+        host tier), ``device``, ``host``, ``store`` (the KV store, which other processes
+        may share) or ``all``. Only when no request is queued or running: returns False
+        (and does nothing) otherwise. Raises ValueError naming ``tiers``."""
+        if tiers not in FLUSH_TIERS:
+            raise ValueError(f"tiers must be one of {', '.join(FLUSH_TIERS)}, got {tiers!r}")
+        return self._query(f"flush:{tiers}")
 
     def stats(self) -> dict:
         """Counters and gauges, read on the engine thread between steps (consistent;

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from radixkv.cache.formats import load_kv_scales
-from radixkv.cache.manager import KVCacheManager, SeqKV
+from radixkv.cache.manager import FLUSH_TIERS, KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
 from radixkv.cache.radix import RadixCache
 from radixkv.cache.store import PageStore, open_store
@@ -229,14 +229,11 @@ class EngineLoop:
 
     # -- queries (run between steps) -------------------------------------------------------------
 
-    def _flush(self, store: bool = False) -> bool:
+    def _flush(self, tiers: str = "memory") -> bool:
         if self.scheduler.has_work():
             return False
-        self.kv.flush(store)
+        self.kv.flush(tiers)
         return True
-
-    def _flush_all(self) -> bool:
-        return self._flush(store=True)
 
     def stats(self) -> dict:
         """Counters and gauges. Read-only: between steps (a ``stats`` query) it is
@@ -261,4 +258,4 @@ class EngineLoop:
     def _check(self) -> None:
         self.kv.check(self.scheduler.owners())
 
-    QUERIES = {"flush": _flush, "flush_all": _flush_all, "stats": stats, "check": _check}  # what a Query may name
+    QUERIES = {"stats": stats, "check": _check, **{f"flush:{t}": lambda self, t=t: self._flush(t) for t in FLUSH_TIERS}}  # what a Query may name

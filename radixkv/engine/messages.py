@@ -65,7 +65,7 @@ class Close:
 
 @dataclass(frozen=True)
 class Query:
-    what: str  # a name in EngineLoop.QUERIES: "flush" | "stats" | "check"
+    what: str  # a name in EngineLoop.QUERIES: "stats" | "check" | "flush:<tiers>"
     qid: int
 
 

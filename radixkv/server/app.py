@@ -6,7 +6,7 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     POST /v1/chat/completions   OpenAI chat completions (the model's chat template)
     GET  /v1/models             the one served model
     POST /generate              native: text or input_ids, SamplingParams by name
-    POST /flush_cache           empty the prefix cache: pool and host tier; ?tiers=all the KV store too
+    POST /flush_cache           empty the prefix cache: pool and host tier; ?tiers=device|host|store|all
                                 (409 while requests run)
     GET  /metrics               Prometheus text format
     GET  /health                200 while the engine thread lives
@@ -37,6 +37,7 @@ from typing import AsyncIterator
 
 import msgspec
 
+from radixkv.cache.manager import FLUSH_TIERS
 from radixkv.engine.engine import Engine, RequestStream
 from radixkv.engine.request import RequestOutput, StreamChunk
 from radixkv.errors import IntegrityError
@@ -586,10 +587,10 @@ class Server:
         from urllib.parse import parse_qs
 
         tiers = parse_qs(http.scope.get("query_string", b"").decode("latin-1")).get("tiers", ["memory"])[-1]
-        if tiers not in ("memory", "all"):
-            raise P.ApiError(400, f"tiers must be memory (the pool and the host tier) or all (the KV store too), "
-                                  f"got {tiers!r}", param="tiers")  # fmt: skip
-        if not await asyncio.to_thread(self.engine.flush_cache, tiers == "all"):
+        if tiers not in FLUSH_TIERS:
+            raise P.ApiError(400, f"tiers must be one of {', '.join(FLUSH_TIERS)} (memory: the pool and the host "
+                                  f"tier), got {tiers!r}", param="tiers")  # fmt: skip
+        if not await asyncio.to_thread(self.engine.flush_cache, tiers):
             raise P.ApiError(409, "the cache was not flushed: requests are running or waiting", type="conflict")
         await http.send(200, P.encode({"flushed": True}))
 
