@@ -87,29 +87,43 @@ def blocks(page_size: int, block_n: int) -> dict:
     return dict(BLOCK_N=block_n, PARAM_RUN=_param_run(page_size, block_n))
 
 
-def compile_all() -> int:
+def jobs() -> list[tuple[str, str, str | None, dict]]:
+    """Every (kernel name, query dtype, cache kind, constexprs) to compile."""
     from radixkv.kernels import triton_backend as tb
 
-    count = 0
+    out = []
     for dtype, native, dynamic, softcap, window, group, kv, page_size in VARIANTS:
         flags = dict(USE_SOFTCAP=softcap, USE_WINDOW=window, NATIVE_DOT=native, DYNAMIC_LOOP=dynamic, GROUP=group,
                      PAGE_SIZE=page_size, INT8_KV=kv == "i8", INT4_KV=kv in INT4_KV, ROTATED=kv == "u4")  # fmt: skip
         small = {**ATTN, **blocks(page_size, 16)}
-        compile_kernel(tb._decode_partial, dtype, kv, BLOCK_H=16, NUM_SPLITS=8, **flags, **small)
-        compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64 // group, PACK_GQA=True, **flags, **small)
-        count += 2
+        out.append(("_decode_partial", dtype, kv, dict(BLOCK_H=16, NUM_SPLITS=8, **flags, **small)))
+        out.append(("_extend", dtype, kv, dict(BLOCK_M=64, BLOCK_Q=64 // group, PACK_GQA=True, **flags, **small)))
         if kv not in INT4_KV:  # (int4 reads K/V the same in either row layout)
-            compile_kernel(tb._extend, dtype, kv, BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **small)
-            count += 1
+            out.append(("_extend", dtype, kv, dict(BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **small)))
         if native and dynamic:  # the tiles the GPU runs for half-precision queries (and KV, or int8/int4 KV)
             block_m, block_n = tb.TritonBackend.EXTEND_HALF
             tiles = dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, PACK_GQA=True, **blocks(page_size, block_n))
-            compile_kernel(tb._extend, dtype, kv, **flags, **{**ATTN, **tiles})
-            count += 1
+            out.append(("_extend", dtype, kv, {**flags, **ATTN, **tiles}))
     for dtype in ("fp16", "bf16", "fp32"):
-        compile_kernel(tb._decode_reduce, dtype, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8)
-        count += 1
-    return count
+        out.append(("_decode_reduce", dtype, None, dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8)))
+    return out
+
+
+def _compile_job(job) -> None:
+    from radixkv.kernels import triton_backend as tb
+
+    name, dtype, kv, constexprs = job
+    compile_kernel(getattr(tb, name), dtype, kv, **constexprs)
+
+
+def compile_all() -> int:
+    """Compile every job, on every core (a cold Triton cache takes minutes)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    todo = jobs()
+    with ProcessPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        list(pool.map(_compile_job, todo))
+    return len(todo)
 
 
 def test_every_kernel_variant_compiles_for_sm90():
