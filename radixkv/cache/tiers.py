@@ -73,7 +73,7 @@ class HostTier:
             old = self._pages.pop(key, None)
             if old is not None:
                 self.bytes -= self._cost(old)
-            self._pages[key] = row = np.array(row, copy=True)
+            self._pages[key] = row = np.array(row, copy=True)  # not a view: it would keep its whole batch alive
             self.bytes += self._cost(row)
         out = []
         while self.bytes > self.max_bytes and self._pages:
@@ -85,11 +85,9 @@ class HostTier:
     def _cost(self, row: np.ndarray) -> int:
         return row.nbytes if self.page_cost is None else self.page_cost
 
-    def clear(self) -> int:
-        n = len(self._pages)
+    def clear(self) -> None:
         self._pages.clear()
         self.bytes = 0
-        return n
 
 
 @dataclass
@@ -157,6 +155,8 @@ class KVTiers:
         """The bytes of the longest run of whole pages of ``tokens`` from page ``start``
         that the lower tiers hold (host first, then the store; at most ``limit``
         pages), as ``[n, page_bytes]`` uint8, or None for none."""
+        if self.store is None and (self.host is None or not len(self.host)):
+            return None  # nothing below the device: skip hashing the prompt
         keys = self.keys(tokens, namespace)[start : start + limit]
         rows: list[np.ndarray] = []
         while len(rows) < len(keys):  # the run may alternate: the host holds what left the device last
@@ -189,15 +189,12 @@ class KVTiers:
 
     # -- operations ------------------------------------------------------------------------
 
-    def flush(self, tier: str) -> int:
-        """Empty ``host`` or ``store``; returns the entries dropped (None if unknown)."""
+    def flush(self, tier: str) -> None:
+        """Empty ``host`` or ``store`` (nothing when this has no such tier)."""
         if tier == "host" and self.host is not None:
-            return self.host.clear()
+            self.host.clear()
         if tier == "store" and self.store is not None:
-            before = self.store.usage().get("entries") or 0
             self.store.clear()
-            return before
-        return 0
 
     def snapshot(self) -> dict:
         """What /stats reports per tier."""

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
-from radixkv.cache.manager import FLUSH_TIERS
+from radixkv.cache.manager import check_flush_tiers
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.constrain import Constraint, Grammar
 from radixkv.engine.loop import EngineLoop
@@ -265,9 +265,7 @@ class Engine:
         host tier), ``device``, ``host``, ``store`` (the KV store, which other processes
         may share) or ``all``. Only when no request is queued or running: returns False
         (and does nothing) otherwise. Raises ValueError naming ``tiers``."""
-        if tiers not in FLUSH_TIERS:
-            raise ValueError(f"tiers must be one of {', '.join(FLUSH_TIERS)}, got {tiers!r}")
-        return self._query(f"flush:{tiers}")
+        return self._query(f"flush:{check_flush_tiers(tiers)}")
 
     def stats(self) -> dict:
         """Counters and gauges, read on the engine thread between steps (consistent;

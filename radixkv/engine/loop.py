@@ -258,4 +258,5 @@ class EngineLoop:
     def _check(self) -> None:
         self.kv.check(self.scheduler.owners())
 
-    QUERIES = {"stats": stats, "check": _check, **{f"flush:{t}": lambda self, t=t: self._flush(t) for t in FLUSH_TIERS}}  # what a Query may name
+    # what a Query may name; "flush:<tiers>" per name in FLUSH_TIERS
+    QUERIES = {"stats": stats, "check": _check, **{f"flush:{t}": lambda self, t=t: self._flush(t) for t in FLUSH_TIERS}}

@@ -37,10 +37,10 @@ from typing import AsyncIterator
 
 import msgspec
 
-from radixkv.cache.manager import FLUSH_TIERS
+from radixkv.cache.manager import check_flush_tiers
 from radixkv.engine.engine import Engine, RequestStream
 from radixkv.engine.request import RequestOutput, StreamChunk
-from radixkv.errors import IntegrityError
+from radixkv.errors import FieldError, IntegrityError
 from radixkv.server import protocol as P
 from radixkv.server.metrics import CONTENT_TYPE, Metrics
 from radixkv.validate import check_int
@@ -587,9 +587,10 @@ class Server:
         from urllib.parse import parse_qs
 
         tiers = parse_qs(http.scope.get("query_string", b"").decode("latin-1")).get("tiers", ["memory"])[-1]
-        if tiers not in FLUSH_TIERS:
-            raise P.ApiError(400, f"tiers must be one of {', '.join(FLUSH_TIERS)} (memory: the pool and the host "
-                                  f"tier), got {tiers!r}", param="tiers")  # fmt: skip
+        try:
+            check_flush_tiers(tiers)
+        except FieldError as e:
+            raise P.ApiError(400, str(e), param=e.field) from None
         if not await asyncio.to_thread(self.engine.flush_cache, tiers):
             raise P.ApiError(409, "the cache was not flushed: requests are running or waiting", type="conflict")
         await http.send(200, P.encode({"flushed": True}))

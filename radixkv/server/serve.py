@@ -12,6 +12,7 @@ import logging
 import signal
 
 from radixkv.cache.formats import FORMATS
+from radixkv.cache.tiers import WRITE_POLICIES
 from radixkv.engine.engine import EngineConfig
 from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
@@ -56,7 +57,7 @@ HELP = {
     "log_level": "uvicorn log level: critical, error, warning, info, debug",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
-           "kv_dtype": ("auto", *FORMATS), "kv_store_write": ("back", "through")}  # fmt: skip
+           "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
 
