@@ -195,6 +195,15 @@ INLINE void attend_part(const float *qi, const float *k_cache, const float *v_ca
     }
 }
 
+/* the slots of positions from..from+count-1 through the page table, found once (walking
+ * it without a division per position) */
+INLINE void range_slots(const int32_t *pages, int64_t from, int64_t count, int64_t page_size, int64_t *slots) {
+    for (int64_t u = 0, p = from / page_size, o = from % page_size; u < count; u++) {
+        slots[u] = (int64_t)pages[p] * page_size + o;
+        if (++o == page_size) o = 0, p++;
+    }
+}
+
 /* ---- int8 pages ---------------------------------------------------------------------- */
 
 #if defined(__AVX2__)
@@ -392,10 +401,7 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
                              float *m, float *l, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale,
                              float softcap) {
     const int64_t group = hq / hkv, row = hkv * d, span = to - from;
-    for (int64_t u = 0, p = from / page_size, o = from % page_size; u < span; u++) {
-        slots[u] = (int64_t)pages[p] * page_size + o;
-        if (++o == page_size) o = 0, p++;
-    }
+    range_slots(pages, from, span, page_size, slots);
     const float *qi = q;
     if (basis != NULL) { /* q M^T: (q M^T)_e = q . M's row e */
         for (int64_t j = 0; j < hq; j++)
@@ -759,10 +765,7 @@ attend_part_int4(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
 #if defined(INT4_VECTORS)
     const int vectors = half % 8 == 0;
 #endif
-    for (int64_t u = 0, p = from / page_size, o = from % page_size; u < ns; u++) {
-        slots[u] = (int64_t)pages[p] * page_size + o;
-        if (++o == page_size) o = 0, p++;
-    }
+    range_slots(pages, from, ns, page_size, slots);
     if (ns > 0) /* qs = split(q M^T) * scale, or split(q) * scale */
         for (int64_t j = 0; j < hq; j++)
             for (int64_t e = 0; e < d; e++) {
