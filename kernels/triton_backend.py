@@ -227,13 +227,8 @@ def _attend_block(
     k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
     stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh = strides
     pos = start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        valid = pos < seq_len
-        page = tl.load(kv_indices + page_start + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        kvmask = valid[:, None] & dmask[None, :]
-    else:
-        page = tl.load(kv_indices + page_start + pos // PAGE_SIZE).to(tl.int64)
-        kvmask = dmask[None, :]
+    valid = pos < seq_len  # (every position, unless MASKED)
+    page = _load(kv_indices + page_start + pos // PAGE_SIZE, valid, MASKED).to(tl.int64)
     slot = page * PAGE_SIZE + pos % PAGE_SIZE
     if INT4_KV:
         # each row's own page starts at own_start (rows past the sequence: its last page)
@@ -255,31 +250,15 @@ def _attend_block(
             s = tl.where(own, _mma(qv, tl.trans(k_full), qv, NATIVE_DOT), s)
     else:
         offs = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        if MASKED or not EVEN_D:
-            k = tl.load(k_cache + offs, mask=kvmask, other=0.0)
-            v = tl.load(v_cache + offs, mask=kvmask, other=0.0)
-        else:
-            k = tl.load(k_cache + offs)
-            v = tl.load(v_cache + offs)
-        if INT8_KV:
+        kvmask = valid[:, None] & dmask[None, :]
+        k = _load(k_cache + offs, kvmask, MASKED or not EVEN_D)
+        v = _load(v_cache + offs, kvmask, MASKED or not EVEN_D)
+        s = _mma(qv, tl.trans(k), qv, NATIVE_DOT)  # int8 codes -128..127 are exact in fp16 and bf16
+        if INT8_KV:  # positions past the sequence read byte 0 (a valid entry), then weigh 0
             poffs = slot * stride_ps + kvh * stride_ph  # each position's scale byte
-            if MASKED:  # positions past the sequence read byte 0 (a valid entry), then weigh 0
-                k_byte = tl.load(k_params + poffs, mask=valid, other=0)
-                v_byte = tl.load(v_params + poffs, mask=valid, other=0)
-            else:
-                k_byte = tl.load(k_params + poffs)
-                v_byte = tl.load(v_params + poffs)
-            k_scale = tl.load(scales + k_byte.to(tl.int32))
-            v_scale = tl.load(scales + v_byte.to(tl.int32))
-            if NATIVE_DOT:  # codes -128..127 are exact in fp16 and bf16
-                s = tl.dot(qv, tl.trans(k.to(qv.dtype)))
-            else:
-                s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            k_scale = tl.load(scales + _load(k_params + poffs, valid, MASKED).to(tl.int32))
+            v_scale = tl.load(scales + _load(v_params + poffs, valid, MASKED).to(tl.int32))
             s = s * k_scale[None, :]
-        elif NATIVE_DOT:
-            s = tl.dot(qv, tl.trans(k))
-        else:
-            s = tl.dot(qv, tl.trans(k.to(tl.float32)), input_precision="ieee")
     if USE_SOFTCAP:
         s = softcap * _tanh(s * (scale / softcap)) * _LOG2E
     else:
@@ -307,16 +286,9 @@ def _attend_block(
             pv += _mma(p_own, v_full, qv, NATIVE_DOT)
         acc = acc * alpha[:, None] + pv
     elif INT8_KV:
-        pv = p * v_scale[None, :]
-        if NATIVE_DOT:
-            pv = tl.dot(pv.to(qv.dtype), v.to(qv.dtype))
-        else:
-            pv = tl.dot(pv, v.to(tl.float32), input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-    elif NATIVE_DOT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + _mma(p * v_scale[None, :], v, qv, NATIVE_DOT)
+    else:  # (native: the queries' dtype is the cache's)
+        acc = acc * alpha[:, None] + _mma(p, v, qv, NATIVE_DOT)
     return m_new, l_i, acc
 
 
