@@ -289,6 +289,22 @@ def test_gen_with_a_regex_gives_a_full_match(backend, endpoint):
         assert s.get_meta_info("wet")["finish_reason"] == "stop"
 
 
+def test_gen_with_a_long_context_policy_matches_the_engine(backend, engine):
+    doc = "Remember: the code word is pelican. " + "Nothing else matters here. " * 50
+
+    @function
+    def ask(s, question):
+        s += doc + question
+        s += gen("a", max_tokens=5, temperature=0, kv_policy="streaming", kv_budget=128)
+
+    from radixkv.engine.sampling import SamplingParams
+
+    s = ask.run(question="\nThe code word is", backend=backend)
+    want = engine.generate([doc + "\nThe code word is"],
+                           SamplingParams(max_new_tokens=5, temperature=0, kv_policy="streaming", kv_budget=128))
+    assert s["a"] == want[0].text
+
+
 def test_default_backend(backend):
     from radixkv.frontend import set_default_backend
 

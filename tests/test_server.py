@@ -220,6 +220,25 @@ def test_models_and_stop(client):
 # -- native API, metrics, control ----------------------------------------------------------------
 
 
+def test_long_context_policy_through_the_openai_client_and_native_route(client, http, engine):
+    """A compressed document's view serves the second question on both routes, with the
+    answer the engine gives."""
+    doc = "The pass key is 7134. " + "The grass is green. The sky is blue. " * 60
+    prompts = [doc + "\nWhat is the pass key? The pass key is", doc + "\nWhat colour is the sky? It is"]
+    ids = engine.encode(doc)
+    extra = {"kv_policy": "snapkv", "kv_budget": 0.25, "kv_compress_at": len(ids)}
+    params = SamplingParams(temperature=0, max_new_tokens=6, **extra)
+    got = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6, extra_body=extra)
+           for p in prompts]  # fmt: skip
+    for g, p in zip(got, prompts):
+        assert g.choices[0].text == engine.generate([p], params)[0].text
+    assert got[1].usage.prompt_tokens_details.cached_tokens == len(ids) // 16 * 16
+    r = http.post("/generate", json={"text": prompts[1], "sampling_params": {**extra, "temperature": 0,
+                                                                               "max_new_tokens": 6}})  # fmt: skip
+    assert r.status_code == 200 and r.json()["text"] == got[1].choices[0].text
+    assert http.get("/stats").json()["views"]["hits"] >= 2
+
+
 def test_native_generate(http, engine):
     ids = engine.tokenizer.encode("The sun is")
     want = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=6, logprobs=True))
@@ -334,6 +353,10 @@ BAD = [  # (id, path, body: dict or raw bytes, status, param)
      "sampling_params.max_tokenz"),
     ("bad sampling value", "/generate", {"text": "a", "sampling_params": {"top_k": -7}}, 400, "sampling_params.top_k"),
     ("bad regex", "/v1/completions", {**OK, "regex": "(unclosed"}, 400, "regex"),
+    ("unknown kv policy", "/v1/chat/completions", {**CHAT, "kv_policy": "lru", "kv_budget": 64}, 400, "kv_policy"),
+    ("kv budget ratio 2", "/v1/completions", {**OK, "kv_policy": "snapkv", "kv_budget": 2.0}, 400, "kv_budget"),
+    ("ratio on a short prompt", "/generate", {"text": "hi", "sampling_params": {"kv_policy": "h2o", "kv_budget": 0.5}},
+     400, "sampling_params.kv_budget"),
     ("unknown route", "/v2/nothing", OK, 404, None),
 ]
 

@@ -34,6 +34,14 @@ With tiers (``radixkv.cache.tiers``), eviction demotes pages to the host tier or
 store, and ``admit`` promotes the longest run of pages that follows the tree's match
 from them into fresh pages of the tree before taking the match.
 
+Under a long-context policy (``radixkv.cache.compress``), a sequence compresses at
+points: it publishes what it computed, keeps the policy's pages as a view, and goes on
+under the view's namespace; its table then holds fewer KV entries than it has tokens
+(``dropped``), and admission matches the deepest view of its policy before the tree:
+
+    tokens   |========== point ==========|====== after the view ======|
+    pages    |== view's kept pages ==|== the view namespace's (tree) ==|== own ==|
+
 The last prompt token is never matched: its logits are needed to sample the first
 output token. With ``recompute_from`` (prompt logprobs), prompt positions from there on
 are computed again, and only the pages before them are taken from the cache.
@@ -46,6 +54,9 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from radixkv.cache.compress import (
+    OBSERVE_TOKENS, KVPolicySpec, View, ViewIndex, chain_hashes, keydiff_scores, page_sums, select_pages,
+)  # fmt: skip
 from radixkv.cache.pool import PageAllocator, PageIds
 from radixkv.cache.radix import Node, RadixCache
 from radixkv.errors import FieldError, IntegrityError
@@ -72,6 +83,12 @@ class SeqKV:
     KV is in ``pages``; ``published``: tokens whose whole pages the tree holds through
     ``node``; ``cached_tokens``: prompt tokens served from the cache at the first
     admission (None before it).
+
+    Under a long-context policy (``policy``): ``view``, the locked view whose kept
+    pages begin the table (its namespace holds ``node``'s path); ``dropped``, tokens
+    whose KV the table does not hold (KV entries = ``computed - dropped``);
+    ``last_point``, the last compression point passed; ``scores``, the policy's score of
+    each table page (None for policies without scores).
     """
 
     namespace: object = None
@@ -81,6 +98,31 @@ class SeqKV:
     computed: int = 0
     published: int = 0
     cached_tokens: int | None = None
+    policy: KVPolicySpec | None = None
+    view: View | None = None
+    dropped: int = 0
+    last_point: int = 0
+    scores: np.ndarray | None = None
+
+    @property
+    def kv_len(self) -> int:
+        """KV entries in the page table (``computed`` less what compression dropped)."""
+        return self.computed - self.dropped
+
+    @property
+    def offset(self) -> int:
+        """Where the keys of the namespace ``node`` lives in begin (the view's point)."""
+        return 0 if self.view is None else self.view.point
+
+    @property
+    def tree_namespace(self):
+        """The tree namespace the sequence publishes into: its own, or its view's."""
+        return self.namespace if self.view is None else self.view.namespace
+
+    def shared_pages(self, page_size: int) -> int:
+        """Leading table pages it reads without owning them (view's and tree's)."""
+        vp = 0 if self.view is None else len(self.view.pages)
+        return vp + (self.published - self.offset) // page_size
 
 
 class KVCacheManager:
@@ -101,6 +143,7 @@ class KVCacheManager:
         self.tiers = tiers  # a KVTiers below the pool, or None
         if tiers is not None:
             tree.on_evict = tiers.demote
+        self.views = ViewIndex(pool, tree, page_size) if tree is not None else None  # long-context views
 
     # -- queries -------------------------------------------------------------------------
 
@@ -113,7 +156,7 @@ class KVCacheManager:
 
     def pages_needed(self, seq: SeqKV, count: int) -> int:
         """More pages ``seq`` needs to compute ``count`` more tokens. Does not mutate."""
-        return ceil_div(seq.computed + count, self.page_size) - len(seq.pages)
+        return ceil_div(seq.kv_len + count, self.page_size) - len(seq.pages)
 
     # -- the lifecycle ---------------------------------------------------------------------
 
@@ -130,8 +173,10 @@ class KVCacheManager:
         preempted sequence is not counted twice). Raises ValueError for a sequence that
         still holds memory.
         """
-        if len(seq.pages) or seq.node is not None:
+        if len(seq.pages) or seq.node is not None or seq.view is not None:
             raise ValueError("admit takes an empty sequence (fresh, or released)")
+        if seq.policy is not None and self.tree is not None and len(tokens) >= 2:
+            return self._admit_compressed(seq, tokens, recompute_from)
         if self.tree is None or len(tokens) < 2:
             self._set(seq, _EMPTY, None, 0)
             return 0
@@ -165,7 +210,7 @@ class KVCacheManager:
         """
         need = self.pages_needed(seq, count)
         while need > self.pool.num_free():
-            if self.tree is not None and self.tree.evict(need - self.pool.num_free()):
+            if self._evict(need - self.pool.num_free()):
                 continue
             if make_room is None or not make_room():
                 return False
@@ -176,7 +221,7 @@ class KVCacheManager:
     def computed(self, seq: SeqKV, upto: int) -> None:
         """Record that KV for ``tokens[:upto]`` is now in ``seq``'s pages. Raises
         ValueError past the page table."""
-        if not seq.computed <= upto <= len(seq.pages) * self.page_size:
+        if not seq.computed <= upto <= seq.dropped + len(seq.pages) * self.page_size:
             raise ValueError(f"computed must grow within the page table: {seq.computed} -> {upto}, "
                              f"{len(seq.pages)} pages")  # fmt: skip
         seq.computed = upto
@@ -188,7 +233,7 @@ class KVCacheManager:
         Mutates the tree, the pool and ``seq``. No-op without a tree or when nothing
         new is whole.
         """
-        whole = seq.computed // self.page_size * self.page_size
+        whole = seq.computed // self.page_size * self.page_size  # dropped is whole pages: the same boundary
         if self.tree is None or whole <= seq.published:
             return
         old = seq.node
@@ -213,7 +258,9 @@ class KVCacheManager:
             self._publish(seq, tokens, whole)
         if seq.node is not None:
             self.tree.unlock(seq.node)
-        self.pool.free(seq.pages[seq.published // self.page_size :])
+        if seq.view is not None:
+            self.views.unlock(seq.view)
+        self.pool.free(seq.pages[seq.shared_pages(self.page_size) :])
         self._set(seq, _EMPTY, None, 0)
 
     def flush(self, tiers: str = "memory") -> int:
@@ -224,9 +271,10 @@ class KVCacheManager:
         check_flush_tiers(tiers)
         freed = 0
         if self.tree is not None and tiers in ("device", "memory", "all"):
+            freed += self.views.clear()
             hook, self.tree.on_evict = self.tree.on_evict, None
             try:
-                freed = self.tree.evict(self.tree.cached_pages)
+                freed += self.tree.evict(self.tree.cached_pages)
             finally:
                 self.tree.on_evict = hook
         if self.tiers is not None:
@@ -236,12 +284,163 @@ class KVCacheManager:
                 self.tiers.flush("store")
         return freed
 
+    # -- long-context policies ---------------------------------------------------------------
+
+    def next_point(self, seq: SeqKV) -> int | None:
+        """The token count at which ``seq`` compresses next (None without a policy): its
+        explicit point until passed, then each time its KV would exceed the kept budget
+        plus the interval. Page-aligned. Does not mutate."""
+        spec = seq.policy
+        if spec is None:
+            return None
+        if spec.compress_at is not None and seq.last_point < spec.compress_at:
+            return spec.compress_at
+        return seq.dropped + spec.kept_pages() * self.page_size + spec.interval
+
+    def until_point(self, seq: SeqKV) -> int | None:
+        """Tokens ``seq`` may compute before its next point (a chunk ends there)."""
+        point = self.next_point(seq)
+        return None if point is None else point - seq.computed
+
+    def observe_from(self, seq: SeqKV, start: int, count: int) -> int | None:
+        """Which of the ``count`` new tokens from ``start`` the attention backend must
+        observe for ``seq``'s policy (``SeqInput.observe_from``), or None: all of them
+        for h2o; for snapkv those among the last ``OBSERVE_TOKENS`` before the next point."""
+        spec = seq.policy
+        if spec is None or spec.policy.observe == "none":
+            return None
+        if spec.policy.observe == "all":
+            return 0
+        first = self.next_point(seq) - OBSERVE_TOKENS
+        return max(0, first - start) if first < start + count else None
+
+    def observe(self, seq: SeqKV, mass: np.ndarray) -> None:
+        """Add a step's attention mass (one value per KV entry of the table) to the
+        table pages' scores. Mutates ``seq.scores``."""
+        sums = page_sums(mass, self.page_size)
+        if seq.scores is None:
+            seq.scores = np.zeros(len(seq.pages))
+        elif len(seq.scores) < len(seq.pages):
+            seq.scores = np.concatenate([seq.scores, np.zeros(len(seq.pages) - len(seq.scores))])
+        seq.scores[: len(sums)] += sums
+
+    def at_point(self, seq: SeqKV) -> bool:
+        """Whether ``seq`` has just computed up to its next point (then ``compress``)."""
+        return seq.policy is not None and seq.computed == self.next_point(seq)
+
+    def compress(self, seq: SeqKV, tokens) -> int:
+        """Compress ``seq`` at its point (``at_point``): publish what it computed, keep
+        its policy's pages and drop the rest from the table; with the prefix cache the
+        kept pages become a view (an equal view already stored is taken instead) and the
+        sequence goes on in the view's namespace:
+
+            table  |== view or tree pages, all whole ==|     (point = computed)
+            ->     |== kept: the new view (locked) ==|       dropped pages stay cached, unlocked
+
+        Returns the pages dropped from the table. Mutates ``seq``, the tree, the views
+        and (without a tree) the pool. Raises ValueError away from a point.
+        """
+        if not self.at_point(seq):
+            raise ValueError(f"compress runs at a point: computed {seq.computed}, next point {self.next_point(seq)}")
+        spec, ps, point = seq.policy, self.page_size, seq.computed
+        self.commit(seq, tokens)
+        n = len(seq.pages)
+        scores = seq.scores
+        if spec.policy.keys:
+            scores = self._keydiff(seq)
+        idx = select_pages(spec, n, spec.kept_pages(), None if scores is None else np.asarray(scores)[:n])
+        kept = seq.pages[idx]
+        kept_scores = seq.scores[idx] if spec.policy.observe == "all" and seq.scores is not None else None
+        if self.views is None:  # no prefix cache: the sequence owns every page
+            self.pool.free(np.delete(seq.pages, idx))
+            seq.pages, seq.dropped = kept.copy(), point - len(kept) * ps
+        else:
+            key = self._view_key(seq, tokens, point)
+            view = self.views.add(key, point, kept, kept_scores)
+            self.views.lock(view)
+            if seq.node is not None:
+                self.tree.unlock(seq.node)
+            if seq.view is not None:
+                self.views.unlock(seq.view)
+            seq.view, seq.node = view, None
+            seq.pages, seq.dropped, seq.published = view.pages.copy(), view.dropped, point
+            kept_scores = None if view.scores is None else view.scores.copy()
+        seq.last_point = point
+        seq.scores = kept_scores
+        return n - len(idx)
+
+    def _keydiff(self, seq: SeqKV) -> np.ndarray:
+        """KeyDiff scores of ``seq``'s table pages, from the keys in the pool."""
+        if not hasattr(self.pool, "read_kv"):
+            raise ValueError("keydiff reads keys: it needs a KV pool, not a bare allocator")
+        slots = self.pool.slots(seq.pages, 0, seq.kv_len)
+        read = lambda layer: self.pool.read_kv(layer, slots)[0].float().cpu().numpy()  # noqa: E731
+        return keydiff_scores(read, self.pool.config.num_layers, self.page_size)
+
+    def _view_key(self, seq: SeqKV, tokens, point: int) -> tuple:
+        """A view's identity: cache namespace, policy, explicit points up to ``point`` and
+        the hash of ``tokens[:point]``."""
+        spec = seq.policy
+        points = () if spec.compress_at is None or spec.compress_at > point else (spec.compress_at,)
+        return (seq.namespace, spec.key(), points, chain_hashes(tokens, self.page_size, point)[-1])
+
+    def _admit_compressed(self, seq: SeqKV, tokens, recompute_from: int | None) -> int:
+        """``admit`` under a policy: the deepest view of the policy on ``tokens[:-1]``
+        (before ``recompute_from``), then the tree in that view's namespace (or the plain
+        namespace without a view), up to what the next point lets the cache serve:
+
+            tokens  |== view (kept pages) ==|== view namespace: tree ==|-- computed again --|point
+                                                                        ^ snapkv: its observation window;
+                                                                          h2o: all (scores of every query)
+        """
+        ps, spec = self.page_size, seq.policy
+        first = seq.cached_tokens is None
+        limit = len(tokens) - 1 if recompute_from is None else min(len(tokens) - 1, max(0, recompute_from - 1))
+        view = None
+        if limit >= ps and len(self.views):
+            hashes = chain_hashes(tokens, ps, limit)
+            for i in range(len(hashes) - 1, -1, -1):
+                b = (i + 1) * ps
+                points = () if spec.compress_at is None or spec.compress_at > b else (spec.compress_at,)
+                view = self.views.get((seq.namespace, spec.key(), points, hashes[i]))
+                if view is not None:
+                    break
+        if view is not None:
+            self.views.lock(view)
+            self.views.hits += 1
+            seq.view, seq.dropped, seq.last_point = view, view.dropped, view.point
+            seq.scores = None if view.scores is None else view.scores.copy()
+            seq.pages = view.pages.copy()
+        offset = seq.offset
+        seq.computed = seq.published = offset
+        stop = min(limit, self.next_point(seq))
+        if spec.policy.observe == "all":
+            stop = offset  # every query's attention feeds the scores: nothing from the tree
+        elif spec.policy.observe == "window":
+            stop = min(stop, self.next_point(seq) - ceil_div(OBSERVE_TOKENS, ps) * ps)
+        else:
+            stop = min(stop, self.next_point(seq) - ps)  # a chunk ends at the point: compress runs there
+        node = None
+        if stop - offset >= ps:
+            m = self.tree.match_prefix(tokens[offset:stop], seq.tree_namespace, record_stats=False)
+            if len(m.pages):
+                node = m.node
+                self.tree.lock(node)
+                seq.pages = np.concatenate([seq.pages, m.pages])
+                seq.computed = seq.published = offset + m.num_tokens
+        seq.node = node
+        if first:
+            seq.cached_tokens = seq.computed
+            self.tree.queried_tokens += len(tokens) - 1
+            self.tree.hit_tokens += seq.computed
+        return seq.computed
+
     # -- checks ------------------------------------------------------------------------------
 
     def owners(self, seqs: Iterable[SeqKV]) -> dict[int, int]:
         """Page id -> references the sequences hold (their own pages; for ``check``).
         Does not mutate."""
-        tables = [s.pages[s.published // self.page_size :] for s in seqs]
+        tables = [s.pages[s.shared_pages(self.page_size) :] for s in seqs]
         tables = [t for t in tables if len(t)]
         if not tables:
             return {}
@@ -254,17 +453,30 @@ class KVCacheManager:
         shared pages are exactly the pages of its locked path (a page is never read
         under another prefix's identity). Raises IntegrityError."""
         for s in seqs:
-            shared = s.published // self.page_size
+            vp = 0
+            if s.view is not None:
+                vp = len(s.view.pages)
+                if not s.view.alive or s.view.lock_ref < 1:
+                    raise IntegrityError("a sequence's view is evicted or unlocked")
+                if s.view.pages.tobytes() != s.pages[:vp].tobytes():
+                    raise IntegrityError("a sequence's first pages are not its view's")
+            shared = s.shared_pages(self.page_size) - vp
             if s.node is None:
                 if shared:
                     raise IntegrityError(f"a sequence reads {shared} tree pages without a lock")
                 continue
             if not s.node.alive or s.node.lock_ref < 1:
                 raise IntegrityError("a sequence's node is evicted or unlocked")
-            if s.node.path_pages().tobytes() != s.pages[:shared].tobytes():
+            if s.node.namespace != s.tree_namespace:
+                raise IntegrityError("a sequence's node lies in another namespace than its view's")
+            if s.node.path_pages().tobytes() != s.pages[vp : vp + shared].tobytes():
                 raise IntegrityError("a sequence's shared pages are not the pages of its locked path")
         if self.tree is not None:
-            self.tree.check_integrity(external_refs=self.owners(seqs))
+            self.views.check()
+            refs = self.owners(seqs)
+            for page, n in self.views.owners().items():
+                refs[page] = refs.get(page, 0) + n
+            self.tree.check_integrity(external_refs=refs)
         else:
             self.pool.check_integrity()
             refs = self.pool.refcounts()
@@ -316,18 +528,33 @@ class KVCacheManager:
 
         Sets ``seq.published = whole``; returns the node that ends it (not locked).
         """
-        inserted = self.tree.insert(tokens[:whole], seq.pages, seq.namespace, seq.priority, adopt=True)
-        own, cached = seq.published // self.page_size, inserted.num_cached // self.page_size
-        if self.tiers is not None:
-            self.tiers.published(tokens, seq.namespace, seq.pages, max(own, cached), whole // self.page_size)
+        ps, offset = self.page_size, seq.offset
+        vp = 0 if seq.view is None else len(seq.view.pages)
+        pages = seq.pages[vp:]  # the namespace's part of the table
+        inserted = self.tree.insert(tokens[offset:whole], pages, seq.tree_namespace, seq.priority, adopt=True)
+        own, cached = (seq.published - offset) // ps, inserted.num_cached // ps
+        if self.tiers is not None and seq.view is None:
+            self.tiers.published(tokens, seq.namespace, seq.pages, max(own, cached), whole // ps)
         if cached > own:
-            self.pool.free(seq.pages[own:cached])
-            seq.pages = np.concatenate([inserted.node.path_pages()[:cached], seq.pages[cached:]])
+            self.pool.free(pages[own:cached])
+            pages = np.concatenate([inserted.node.path_pages()[:cached], pages[cached:]])
+            seq.pages = np.concatenate([seq.pages[:vp], pages])
         seq.published = whole
         return inserted.node
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _evict(self, num_pages: int) -> int:
+        """Free ``num_pages`` pages if unlocked memory holds them: tree leaves first, then
+        long-context views (least recently used). Returns the pages freed."""
+        if self.tree is None:
+            return 0
+        freed = self.tree.evict(num_pages)
+        if freed < num_pages and len(self.views):
+            freed += self.views.evict(num_pages - freed)
+        return freed
+
     @staticmethod
     def _set(seq: SeqKV, pages: PageIds, node: Node | None, computed: int) -> None:
         seq.pages, seq.node, seq.computed, seq.published = pages, node, computed, computed
+        seq.view, seq.dropped, seq.last_point, seq.scores = None, 0, 0, None

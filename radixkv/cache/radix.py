@@ -476,6 +476,33 @@ class RadixCache:
             freed += self.allocator.release(dropped)
         return freed
 
+    def drop_namespace(self, namespace) -> int:
+        """Remove every node of ``namespace`` and release its pages (without demoting
+        them: a long-context view's namespace goes with its view). Returns how many
+        pages went free.
+
+        Mutates the tree and the allocator. Raises ValueError, changing nothing, if a
+        node of the namespace is locked.
+        """
+        root = self._roots.get(namespace)
+        if root is None:
+            return 0
+        nodes, stack = [], list(root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        if any(n.lock_ref for n in nodes):
+            raise ValueError(f"namespace {namespace!r} has locked nodes")
+        for node in nodes:
+            node.alive = False
+        del self._roots[namespace]
+        self._num_nodes -= len(nodes)
+        pages = np.concatenate([n.pages for n in nodes]) if nodes else _EMPTY_PAGES
+        self.evicted_pages += len(pages)
+        self._loops.fill(self._held, pages, 0)
+        return self.allocator.release(pages)
+
     def _next_victim(self, need: int) -> tuple[Node, int] | None:
         """The leaf to shrink next and how many tail pages to take from it."""
         if not self.policy.lazy:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixkv.cache.compress import ViewNamespace
 from radixkv.cache.store import PageStore, key_seed, page_keys
 
 WRITE_POLICIES = ("back", "through")
@@ -138,6 +139,8 @@ class KVTiers:
         dropped = leaf.pages[keep:]
         if not len(dropped) or (self.host is None and (self.store is None or self.write == "through")):
             return
+        if isinstance(leaf.namespace, ViewNamespace):  # computed on a long-context view: device only
+            return
         keys = self.keys(np.frombuffer(leaf.path_key(), dtype=np.int32), leaf.namespace)  # the path's whole pages
         keys = keys[len(keys) - len(dropped) :]  # the leaf's pages end the path
         rows = self.pool.read_pages(dropped)
@@ -182,7 +185,7 @@ class KVTiers:
     def published(self, tokens, namespace, pages, first: int, end: int) -> None:
         """The tree took pages ``first..end-1`` of ``tokens`` (``pages``: the page
         table): with ``write="through"``, store them now."""
-        if self.store is None or self.write != "through" or end <= first:
+        if self.store is None or self.write != "through" or end <= first or isinstance(namespace, ViewNamespace):
             return
         keys = self.keys(np.asarray(tokens[: end * self.page_size]), namespace)[first:end]
         self.store.save(keys, list(self.pool.read_pages(pages[first:end])))

@@ -17,7 +17,9 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
+from radixkv.cache.compress import resolve_policy
 from radixkv.cache.manager import check_flush_tiers
+from radixkv.errors import FieldError
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.constrain import Constraint, Grammar
 from radixkv.engine.loop import EngineLoop
@@ -310,7 +312,8 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if (params.regex is None) != (constraint is None):
             raise ValueError("a request with regex needs its compiled constraint (compile_constraint), and only it")
-        ids = tuple(self.prompt_ids(prompt))
+        ids = tuple(self.prompt_ids(prompt, bounded=params.kv_policy is not None))
+        self.check_policy(params, len(ids))
         rid = new_rid()
         sink = self._sinks[rid] = _Sink(rid, params.n, loop, stream)
         now = time.perf_counter()
@@ -321,6 +324,15 @@ class Engine:
         )
         self._commands.put(AddRequests(reqs))
         return sink
+
+    def check_policy(self, params: SamplingParams, prompt_len: int) -> None:
+        """FieldError naming the field unless ``params``' long-context policy (if any)
+        applies to a prompt of ``prompt_len`` tokens on this engine. Any thread."""
+        if params.kv_policy is None:
+            return
+        if self.loop.model.config.sliding_window is not None:
+            raise FieldError("kv_policy", "kv_policy is not supported for sliding-window models yet")
+        resolve_policy(params.kv_policy, params.kv_budget, params.kv_compress_at, self.loop.config.page_size, prompt_len)
 
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` by the model's tokenizer (``split_special_tokens``:
@@ -346,9 +358,10 @@ class Engine:
         """Tokens that end a generation (end-of-turn tokens included)."""
         return frozenset(self.tokenizer.eos_token_ids)
 
-    def prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt, bounded: bool = False) -> list[int]:
         """``prompt`` (text or token ids) as checked token ids: not empty, in the
-        vocabulary, shorter than the context and the pool. Raises ValueError/TypeError."""
+        vocabulary, shorter than the context and (unless a long-context policy bounds its
+        KV: ``bounded``) than the pool. Raises ValueError/TypeError."""
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
@@ -363,7 +376,7 @@ class Engine:
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         capacity = self.loop.capacity_tokens
-        if len(ids) >= capacity:
+        if len(ids) >= capacity and not bounded:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {capacity} (raise kv_cache_tokens)")
         return ids
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from radixkv.cache.compress import resolve_policy
 from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import FLUSH_TIERS, KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
@@ -167,8 +168,14 @@ class EngineLoop:
             rid=new.rid, index=new.index, stream=new.stream, prompt_ids=ids, params=new.params,
             sampler=SamplerState(new.params, ids, seed_offset=new.index),
             detok=IncrementalDetokenizer(self.tokenizer, ids, new.params.skip_special_tokens),
-            kv=SeqKV(new.namespace), constraint=new.constraint, arrival_time=new.arrival_time,
+            kv=SeqKV(new.namespace, policy=self._policy(new.params, len(ids))), constraint=new.constraint,
+            arrival_time=new.arrival_time,
         )  # fmt: skip
+
+    def _policy(self, params, prompt_len: int):
+        """The request's long-context policy for this pool's pages (checked by the client)."""
+        return resolve_policy(params.kv_policy, params.kv_budget, params.kv_compress_at, self.config.page_size,
+                              prompt_len)  # fmt: skip
 
     def _end(self, reqs: list[Request], reason: str, error: str | None = None, flush: bool = True) -> None:
         """The one way a request ends (length, stop, abort, error): take ``reqs`` out of
@@ -196,7 +203,12 @@ class EngineLoop:
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             self._end([s.req for s in plan], "error", f"{type(e).__name__}: {e}")
             return
-        sched.advance(plan)
+        mass = getattr(self.backend, "mass", None)
+        if batch.observe and mass:  # per observed sequence: attention mass of each KV entry
+            mass = {i: m.cpu().numpy() for (i, _), m in zip(batch.observe, mass)}
+        else:
+            mass = None
+        sched.advance(plan, mass)
         self.steps += 1
         if prompt_lp:
             ends = batch.qo_indptr[1:].tolist()
@@ -252,6 +264,7 @@ class EngineLoop:
                      "kv_format": self.pool.identity, "bytes_per_page": self.pool.config.bytes_per_page,
                      "staged_pages": self.pool.sealer.staged_pages() if self.pool.sealer else 0},
             "cache": tree,
+            "views": self.kv.views.stats() if self.kv.views is not None else None,
             "tiers": self.tiers.snapshot() if self.tiers is not None else None,
         }
 

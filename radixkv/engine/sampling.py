@@ -35,6 +35,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from radixkv.cache.compress import check_policy
 from radixkv.errors import FieldError
 from radixkv.validate import check_bool, check_float, check_int, is_int, token_list
 
@@ -68,6 +69,10 @@ class SamplingParams:
     token's logprob under the raw model distribution, ``top_logprobs`` (needs
     ``logprobs=True``) for that many most likely tokens too. ``prompt_logprobs_from``
     asks for the logprobs of the prompt tokens from that position on.
+    ``kv_policy`` (window, streaming, h2o, snapkv, keydiff) with ``kv_budget`` (tokens
+    kept, an int, or a ratio in (0, 1) of the context) bounds the request's KV by
+    dropping pages (``radixkv.cache.compress``); ``kv_compress_at``: prompt tokens of
+    context compressed once after their prefill (a ratio's default: the whole prompt).
 
     Every field is checked on construction; a bad value raises ``ValueError`` naming
     the field and the allowed range.
@@ -91,6 +96,9 @@ class SamplingParams:
     prompt_logprobs_from: int | None = None
     skip_special_tokens: bool = True
     regex: str | None = None
+    kv_policy: str | None = None
+    kv_budget: int | float | None = None
+    kv_compress_at: int | None = None
 
     def __post_init__(self) -> None:
         setf = object.__setattr__
@@ -123,6 +131,7 @@ class SamplingParams:
         if self.prompt_logprobs_from is not None:
             check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
         check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_policy(self.kv_policy, self.kv_budget, self.kv_compress_at)
         if self.regex is not None:
             from radixkv.engine.constrain import check_regex
 

@@ -88,7 +88,7 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted while making room for an older one
                 continue
-            count = min(len(req.tokens) - req.kv.computed, budget, self.chunk_size or budget)
+            count = self._chunk(req, budget)
             if self.kv.reserve(req.kv, count, lambda req=req: self._preempt_one(req, plan)):
                 plan.append(ScheduledSeq(req, req.kv.computed, count))
                 budget -= count
@@ -115,7 +115,7 @@ class Scheduler:
                 if self._shares_pending_prefix(req, own, admitted):
                     continue  # computed by an earlier admission this step; hit the cache next step
             self.kv.admit(req.kv, req.tokens, req.params.prompt_logprobs_from)
-            count = min(len(req.tokens) - req.kv.computed, budget, self.chunk_size or budget)
+            count = self._chunk(req, budget)
             if not self.kv.reserve(req.kv, count):
                 self.kv.release(req.kv, req.tokens)
                 break
@@ -124,6 +124,13 @@ class Scheduler:
             admitted.append(req)
             plan.append(ScheduledSeq(req, req.kv.computed, count))
             budget -= count
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens ``req`` computes this step: what is left, within the step's budget and
+        the chunk size, ending at the next compression point of its long-context policy."""
+        count = min(len(req.tokens) - req.kv.computed, budget, self.chunk_size or budget)
+        until = self.kv.until_point(req.kv)
+        return count if until is None else min(count, until)
 
     def _shares_pending_prefix(self, req: Request, cached: int, admitted: list[Request]) -> bool:
         """Whether an admission of this step computes at least the whole page that follows
@@ -155,15 +162,30 @@ class Scheduler:
         self.preemptions += 1
 
     def build_batch(self, plan: list[ScheduledSeq], device) -> ForwardBatch:
-        seqs = [SeqInput(s.req.tokens[s.start : s.start + s.count], s.start, s.req.kv.pages) for s in plan]
+        """The step's batch. A sequence that dropped pages (long-context policy) has
+        fewer KV entries than tokens: its new tokens keep their positions in the
+        sequence, and their KV goes after the entries it kept."""
+        seqs = []
+        for s in plan:
+            kv = s.req.kv
+            positions = range(s.start, s.start + s.count) if kv.dropped else None
+            seqs.append(SeqInput(s.req.tokens[s.start : s.start + s.count], s.start - kv.dropped, kv.pages, positions,
+                                 self.kv.observe_from(kv, s.start, s.count)))  # fmt: skip
         return ForwardBatch.build(seqs, self.page_size, device)
 
-    def advance(self, plan: list[ScheduledSeq]) -> None:
-        """Record what the step computed; publish finished prefill chunks into the cache."""
-        for s in plan:
-            self.kv.computed(s.req.kv, s.start + s.count)
+    def advance(self, plan: list[ScheduledSeq], mass: dict[int, object] | None = None) -> None:
+        """Record what the step computed; publish finished prefill chunks into the cache;
+        add observed attention mass (``mass``: plan index -> per-KV-entry array) to the
+        policies' scores, and compress the sequences that reached a point."""
+        for i, s in enumerate(plan):
+            kv = s.req.kv
+            self.kv.computed(kv, s.start + s.count)
+            if mass and i in mass:
+                self.kv.observe(kv, mass[i])
             if s.count > 1:  # a prefill chunk, not a decode step
-                self.kv.commit(s.req.kv, s.req.tokens)
+                self.kv.commit(kv, s.req.tokens)
+            if self.kv.at_point(kv):
+                self.kv.compress(kv, s.req.tokens)
 
     def requests(self) -> list[Request]:
         """Every request it holds, running then waiting. Does not mutate."""

@@ -31,6 +31,7 @@ class SeqInput(NamedTuple):
     num_cached: int
     pages: np.ndarray  # int32
     positions: Sequence[int] | None = None
+    observe_from: int | None = None  # sum the attention mass of new tokens observe_from.. (see ForwardBatch.observe)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ForwardBatch:
     qo_lens: tuple[int, ...]  # host: new tokens per sequence
     seq_lens: tuple[int, ...]  # host: cached + new tokens per sequence
     page_size: int
+    # (sequence index, first new token observed): the backend sums, over layers, query heads
+    # and those new tokens, each KV entry's attention probability (``backend.mass``)
+    observe: tuple[tuple[int, int], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -60,7 +64,7 @@ class ForwardBatch:
         sequence has no new tokens or its page table is too short."""
         if not seqs:
             raise ValueError("a batch needs at least one sequence")
-        qo_lens, seq_lens, ids, positions, slots, tables = [], [], [], [], [], []
+        qo_lens, seq_lens, ids, positions, slots, tables, observe = [], [], [], [], [], [], []
         for i, s in enumerate(seqs):
             n = len(s.new_tokens)
             if n == 0:
@@ -80,6 +84,10 @@ class ForwardBatch:
                 pos = np.asarray(s.positions, dtype=np.int64)
                 if pos.shape != (n,) or (n and pos.min() < 0):
                     raise ValueError(f"sequence {i}: positions must be {n} ints >= 0 (one per new token)")
+            if s.observe_from is not None:
+                if not 0 <= s.observe_from < n:
+                    raise ValueError(f"sequence {i}: observe_from must lie in [0, {n}), got {s.observe_from}")
+                observe.append((i, int(s.observe_from)))
             qo_lens.append(n)
             seq_lens.append(total)
             ids.append(np.asarray(s.new_tokens, dtype=np.int64))
@@ -102,4 +110,5 @@ class ForwardBatch:
             qo_lens=tuple(qo_lens),
             seq_lens=tuple(seq_lens),
             page_size=page_size,
+            observe=tuple(observe),
         )

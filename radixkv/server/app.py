@@ -311,11 +311,19 @@ class Server:
             raise P.ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                              "model", code="model_not_found")  # fmt: skip
 
-    async def _prompt_ids(self, prompt, param: str) -> list[int]:
+    async def _prompt_ids(self, prompt, param: str, bounded: bool = False) -> list[int]:
         try:
-            return await asyncio.to_thread(self.engine.prompt_ids, prompt)
+            return await asyncio.to_thread(self.engine.prompt_ids, prompt, bounded)
         except (ValueError, TypeError) as e:
             raise P.ApiError(400, str(e), param) from None
+
+    def _check_policy(self, params, ids: list[list[int]], prefix: str = "") -> None:
+        """A long-context policy that fits each prompt, else a 400 naming the field."""
+        try:
+            for i in ids:
+                self.engine.check_policy(params, len(i))
+        except FieldError as e:
+            raise P.ApiError(400, str(e), prefix + e.field) from None
 
     def _max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """The output budget: ``requested`` (None: the rest of the context), checked
@@ -392,12 +400,13 @@ class Server:
         self._check_model(req.model)
         prompts = P.prompts(req)
         self._check_fanout(len(prompts), req.n)
-        ids = [await self._prompt_ids(p, "prompt") for p in prompts]
+        ids = [await self._prompt_ids(p, "prompt", req.kv_policy is not None) for p in prompts]
         fields = P.openai_fields(req)
         fields["max_new_tokens"] = self._max_tokens(req.max_tokens, max(map(len, ids)), "max_tokens")
         if req.logprobs is not None:
             fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
         params = P.sampling_params(fields, P.OPENAI_NAMES)
+        self._check_policy(params, ids)
         ns = self._namespace(http, req.cache_salt)
         cons = await self._constraints(params, len(ids))
         echo = [self.engine.decode(i) if req.echo else "" for i in ids]
@@ -475,7 +484,7 @@ class Server:
         self._check_model(req.model)
         self._check_fanout(1, req.n)
         ids = await asyncio.to_thread(self._render, req, True, True)  # a long chat or tool schema: off the loop
-        ids = await self._prompt_ids(ids, "messages")
+        ids = await self._prompt_ids(ids, "messages", req.kv_policy is not None)
         fields = P.openai_fields(req)
         limit, param = req.max_completion_tokens, "max_completion_tokens"
         if limit is None:
@@ -485,6 +494,7 @@ class Server:
         if req.top_logprobs is not None:
             fields["top_logprobs"] = req.top_logprobs
         params = P.sampling_params(fields, {"max_new_tokens": param})
+        self._check_policy(params, [ids])
         ns = self._namespace(http, req.cache_salt)
         (constraint,) = await self._constraints(params, 1)
         rid, created = self._ids()
@@ -539,9 +549,11 @@ class Server:
         if (req.text is None) == (req.input_ids is None):
             raise P.ApiError(400, "give exactly one of text and input_ids", "text")
         param = "text" if req.text is not None else "input_ids"
-        ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param)
+        bounded = req.sampling_params.get("kv_policy") is not None
+        ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param, bounded)
         fields = dict(req.sampling_params)
         params = P.sampling_params(fields, prefix="sampling_params.")
+        self._check_policy(params, [ids], "sampling_params.")
         self._check_fanout(1, params.n)
         self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens")
         ns = self._namespace(http, req.cache_salt)

@@ -51,7 +51,8 @@ class StreamOptions(Struct):
 
 class _Sampling(Struct, kw_only=True):
     """Fields every OpenAI-style request shares, with vLLM's and SGLang's extensions
-    (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, cache_salt, regex)."""
+    (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, cache_salt, regex), and
+    radixkv's long-context policy (kv_policy, kv_budget, kv_compress_at)."""
 
     model: str
     temperature: float | None = None
@@ -72,6 +73,9 @@ class _Sampling(Struct, kw_only=True):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     regex: str | None = None  # constrained decoding (SGLang's field name)
+    kv_policy: str | None = None  # long-context eviction (radixkv.cache.compress)
+    kv_budget: Union[int, float, None] = None  # tokens kept, or a ratio in (0, 1)
+    kv_compress_at: int | None = None  # prompt tokens compressed once after their prefill
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -192,6 +196,9 @@ def openai_fields(req: _Sampling) -> dict:
         fields["stop"] = req.stop
     if req.regex is not None:
         fields["regex"] = req.regex
+    for name in ("kv_policy", "kv_budget", "kv_compress_at"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
     return fields
 
 
