@@ -109,24 +109,24 @@ def manager(num_pages=32):
     return KVCacheManager(pool, RadixCache(pool, PS), PS)
 
 
-def test_compress_at_a_point_then_every_interval_and_a_view_serves_the_next_request():
+def test_decode_time_compresses_every_interval_and_a_view_serves_the_next_request():
     kv = manager()
     prompt = list(range(100, 111))  # 11 tokens
-    a = SeqKV(policy=spec("window", 4, compress_at=8, prompt_len=len(prompt)))
+    a = SeqKV(policy=spec("window", 4, prompt_len=len(prompt)))
     assert a.policy.interval == PS and a.policy.kept_pages() == 2
     assert kv.admit(a, prompt) == 0
-    # point 8: pages 0-3 -> keep 2, 3; then every 2 tokens past 4 kept: point 10 -> keep 3, 4
-    assert run(kv, a, prompt, len(prompt)) == [8, 10]
+    # budget 4 (2 pages) + interval 2: points at 6, 8, 10; each keeps the last 2 pages
+    assert run(kv, a, prompt, len(prompt)) == [6, 8, 10]
     assert ids(a.pages) == [3, 4, 5] and (a.dropped, a.kv_len, a.computed) == (6, 5, 11)
     assert a.view is not None and a.view.point == 10 and ids(a.view.pages) == [3, 4]
     kv.check([a])
-    # the plain namespace holds only what was computed on the full context: tokens 0-7
+    # the plain namespace holds only what was computed on the full context: tokens 0-5
     plain = kv.tree.match_prefix(prompt, record_stats=False)
-    assert plain.num_tokens == 8 and ids(plain.pages) == [0, 1, 2, 3]
+    assert plain.num_tokens == 6 and ids(plain.pages) == [0, 1, 2]
     kv.release(a, prompt + [7])
     kv.check([])
     # the same policy on a longer prompt: the deepest view (point 10; a's page 5 was partial)
-    b = SeqKV(policy=spec("window", 4, compress_at=8, prompt_len=14))
+    b = SeqKV(policy=spec("window", 4, prompt_len=14))
     longer = prompt + [7, 8, 9]
     assert kv.admit(b, longer) == 10 and b.cached_tokens == 10
     assert ids(b.pages) == [3, 4] and b.dropped == 6 and b.view.point == 10
@@ -135,19 +135,35 @@ def test_compress_at_a_point_then_every_interval_and_a_view_serves_the_next_requ
     assert ids(b.pages) == [4, 5] and b.view.point == 12 and not at10.lock_ref
     assert ids(kv.tree.match_prefix(longer[10:12], at10.namespace, record_stats=False).pages) == [5]
     kv.release(b, longer)
-    b = SeqKV(policy=spec("window", 4, compress_at=8, prompt_len=14))
+    b = SeqKV(policy=spec("window", 4, prompt_len=14))
     assert kv.admit(b, longer) == 12 and ids(b.pages) == [4, 5] and b.view.point == 12
-    kv.check([b])
     # a plain request never reads pages computed on a view, nor another policy a view
-    c, d = SeqKV(), SeqKV(policy=spec("streaming", 4, compress_at=8, prompt_len=14))
-    assert kv.admit(c, longer) == 8 and ids(c.pages) == [0, 1, 2, 3]
-    assert kv.admit(d, longer) == 6 and ids(d.pages) == [0, 1, 2]  # exact pages, up to a page before its point
+    c, d = SeqKV(), SeqKV(policy=spec("streaming", 4, prompt_len=14))
+    assert kv.admit(c, longer) == 6 and ids(c.pages) == [0, 1, 2]
+    assert kv.admit(d, longer) == 4 and ids(d.pages) == [0, 1]  # exact pages, up to a page before its point
     kv.check([b, c, d])
     for s in (b, c, d):
         kv.release(s, longer)
     kv.check([])
     kv.flush()
     assert kv.pool.num_free() == 32 and len(kv.views) == 0
+
+
+def test_prefill_time_compresses_once_and_the_question_grows_on_the_view():
+    kv = manager()
+    prompt = list(range(100, 112))  # 12 tokens: a context of 8, then a question
+    a = SeqKV(policy=spec("window", 4, compress_at=8, prompt_len=len(prompt)))
+    assert run(kv, a, prompt, len(prompt)) == [8]  # once: nothing evicts after the point
+    assert ids(a.pages) == [2, 3, 4, 5] and a.dropped == 4 and kv.next_point(a) is None
+    kv.release(a, prompt)
+    b = SeqKV(policy=spec("window", 4, compress_at=8, prompt_len=13))
+    assert kv.admit(b, prompt + [5]) == 12 and ids(b.pages) == [2, 3, 4, 5]  # the view, then its namespace
+    c = SeqKV(policy=spec("window", 4, compress_at=10, prompt_len=13))  # another point: another state
+    assert kv.admit(c, prompt + [5]) == 8 and ids(c.pages) == [0, 1, 2, 3] and c.view is None
+    kv.check([b, c])
+    for s in (b, c):
+        kv.release(s, prompt + [5])
+    kv.check([])
 
 
 def test_views_are_evicted_least_recently_used_with_their_namespace():
@@ -240,3 +256,20 @@ def test_decode_time_eviction_keeps_the_table_bounded_and_matches_alone(engine, 
     assert len(got.token_ids) == 120
     stats = engine.stats()
     assert stats["views"]["created"] >= 3
+
+
+def test_a_chat_under_streaming_runs_in_bounded_memory_and_hits_every_turn(engine, alone):
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, kv_policy="streaming", kv_budget=64)
+    engine.flush_cache()
+    ids = engine.encode("A conversation about licences.\n")
+    for turn in range(6):
+        ids = ids + engine.encode(f"\nUser: {DOC[turn * 150 : turn * 150 + 150]}\nAssistant:", add_special_tokens=False)
+        got = engine.generate([ids], params)[0]
+        assert got.token_ids == alone.generate([ids], params)[0].token_ids
+        if turn:
+            # all but the new message, the page before the next point and the partial page
+            assert got.cached_tokens >= previous - 2 * 16, (turn, got.cached_tokens, previous)
+        ids = ids + list(got.token_ids)
+        previous = len(ids)
+    state = max(engine.loop.kv.views, key=lambda v: v.point)
+    assert len(state.pages) == 64 // 16 and state.point > 200  # 4 pages hold a 300-token chat's state

@@ -14,12 +14,14 @@ the policy's choice:
     kept (streaming)  |sink|                           |== recent ==|
     kept (scored)  the top-scoring pages, plus the observation window's pages, in table order
 
-Points: the request's explicit point (``kv_compress_at``: compress the context once
-after its prefill, before the question), and from then on (from the start when there is
-none) every time the table would grow past ``budget + interval`` tokens (decode-time
-eviction: long generations, endless chats). Points depend only on the tokens, the
-policy and the explicit point, never on how the scheduler chunks the work: a chunk ends
-at the next point.
+Points. Prefill-time: with an explicit point (``kv_compress_at``, or a ratio budget,
+whose default point is the prompt's end), the context is compressed once, after its
+prefill and before the question; what follows grows freely (as kvpress's presses do).
+Decode-time: with a token budget and no explicit point, every time the table would grow
+past ``budget + interval`` tokens it is cut back to the budget, during prefill and
+decode alike (long generations, endless chats; kvpress's DecodingPress). Points depend
+only on the tokens and the policy, never on how the scheduler chunks the work: a chunk
+ends at the next point.
 
 Views. A page computed after an eviction saw a reduced context: it is valid only under
 that exact selection. Each compression is stored as a ``View``: the state of the

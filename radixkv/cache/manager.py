@@ -287,14 +287,15 @@ class KVCacheManager:
     # -- long-context policies ---------------------------------------------------------------
 
     def next_point(self, seq: SeqKV) -> int | None:
-        """The token count at which ``seq`` compresses next (None without a policy): its
-        explicit point until passed, then each time its KV would exceed the kept budget
-        plus the interval. Page-aligned. Does not mutate."""
+        """The token count at which ``seq`` compresses next, page-aligned, or None (no
+        policy, or none left). Prefill-time (an explicit point: ``compress_at``, or a
+        ratio's): that point once. Decode-time (a token budget, no explicit point): each
+        time its KV would exceed the budget plus the interval. Does not mutate."""
         spec = seq.policy
         if spec is None:
             return None
-        if spec.compress_at is not None and seq.last_point < spec.compress_at:
-            return spec.compress_at
+        if spec.compress_at is not None:
+            return spec.compress_at if seq.last_point < spec.compress_at else None
         return seq.dropped + spec.kept_pages() * self.page_size + spec.interval
 
     def until_point(self, seq: SeqKV) -> int | None:
@@ -306,12 +307,12 @@ class KVCacheManager:
         """Which of the ``count`` new tokens from ``start`` the attention backend must
         observe for ``seq``'s policy (``SeqInput.observe_from``), or None: all of them
         for h2o; for snapkv those among the last ``OBSERVE_TOKENS`` before the next point."""
-        spec = seq.policy
-        if spec is None or spec.policy.observe == "none":
+        spec, point = seq.policy, self.next_point(seq)
+        if point is None or spec.policy.observe == "none":
             return None
         if spec.policy.observe == "all":
             return 0
-        first = self.next_point(seq) - OBSERVE_TOKENS
+        first = point - OBSERVE_TOKENS
         return max(0, first - start) if first < start + count else None
 
     def observe(self, seq: SeqKV, mass: np.ndarray) -> None:
@@ -411,15 +412,15 @@ class KVCacheManager:
             seq.view, seq.dropped, seq.last_point = view, view.dropped, view.point
             seq.scores = None if view.scores is None else view.scores.copy()
             seq.pages = view.pages.copy()
-        offset = seq.offset
+        offset, point = seq.offset, self.next_point(seq)
         seq.computed = seq.published = offset
-        stop = min(limit, self.next_point(seq))
-        if spec.policy.observe == "all":
+        stop = limit
+        if point is not None and spec.policy.observe == "all":
             stop = offset  # every query's attention feeds the scores: nothing from the tree
-        elif spec.policy.observe == "window":
-            stop = min(stop, self.next_point(seq) - ceil_div(OBSERVE_TOKENS, ps) * ps)
-        else:
-            stop = min(stop, self.next_point(seq) - ps)  # a chunk ends at the point: compress runs there
+        elif point is not None and spec.policy.observe == "window":
+            stop = min(stop, point - ceil_div(OBSERVE_TOKENS, ps) * ps)
+        elif point is not None:
+            stop = min(stop, point - ps)  # a chunk ends at the point: compress runs there
         node = None
         if stop - offset >= ps:
             m = self.tree.match_prefix(tokens[offset:stop], seq.tree_namespace, record_stats=False)
