@@ -6,7 +6,9 @@ attributes (``radixkv.model.batch.ForwardBatch`` is one):
 
     qo_indptr [B+1] int32, kv_indptr [B+1] int32, kv_indices [nnz] int32,
     kv_last_page_len [B] int32, out_slots [T] int64,
-    qo_lens / seq_lens (host tuples of B ints), page_size (int)
+    qo_lens / seq_lens (host tuples of B ints), page_size (int),
+    observe (optional: (sequence, first new token) pairs whose attention mass the backend
+    sums into ``backend.mass``; see ``AttentionBackend``)
 
 ``plan(batch)`` runs once per forward pass; ``forward`` once per layer attends, causally
 among a sequence's new tokens and fully to its cached prefix, with GQA/MQA. The layer's

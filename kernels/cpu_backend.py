@@ -24,6 +24,11 @@ decode rows go to the kernel and the others to the reference. Queries other than
 float32, and caches other than fp32, int8 or int4 (bf16, fp16, fp8), run wholly on the
 reference path.
 
+Attention mass (``batch.observe``, see ``AttentionBackend``): the kernel adds its
+observed decode rows' probabilities into ``mass`` in place (from the exponentials its
+softmax pass computes anyway); observed prefill and extend rows, and every observed row
+on the reference path, go through the generic ``AttentionBackend._observe``.
+
 The kernel is compiled on first use with ``-O3 -march=native -fopenmp`` by
 ``radixkv.kernels.build`` (the system C compiler; cached in ``$RADIXKV_CACHE_DIR``,
 named by a hash of the source, the compiler, the flags and this CPU). Without
@@ -50,7 +55,7 @@ _library: ctypes.CDLL | None = None
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
-_ARGTYPES = [_ptr] * 17 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
+_ARGTYPES = [_ptr] * 19 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
 _KV_FP32, _KV_INT8, _KV_INT4 = 0, 1, 2  # cpu_decode.c's kv_format codes
 
 
@@ -89,6 +94,10 @@ class CpuBackend(TorchBackend):
             self._kv_starts = batch.kv_indptr.cpu().to(torch.int32)[idx].contiguous()
             self._kv_indices = batch.kv_indices.cpu().to(torch.int32).contiguous()
             self._decode_lens = torch.tensor([batch.seq_lens[i] for i in rows], dtype=torch.int32)
+        # observed decode rows: the kernel adds their mass in place, at these offsets (-1: not observed)
+        at = {e.seq: e.offset for e in self._observed if e.seq in self.decode_rows}
+        self._kernel_observed = frozenset(at)
+        self._mass_at = torch.tensor([at.get(i, -1) for i in rows], dtype=torch.int64) if at else None
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         k_cache, v_cache = kv.k, kv.v
@@ -117,12 +126,17 @@ class CpuBackend(TorchBackend):
             else:
                 k, v = stored_as(k, kv, "k"), stored_as(v, kv, "v")  # the new tokens as the pool stored them
                 self.attend_sequences(q, k, v, kv, scale, sliding_window, logit_softcap, out, skip=self.decode_rows)
+        if self.mass:  # the observed sequences the kernel does not do
+            self._observe(q, k, kv, scale, sliding_window, logit_softcap, skip=self._kernel_observed)
+        mass, mass_at = 0, 0
+        if self._mass_at is not None:  # mass's tensors view one flat tensor, which starts at the first's start
+            mass, mass_at = self.mass[0].data_ptr(), self._mass_at.data_ptr()
         status = self._lib.radixkv_paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_params, v_params, scales, basis, k_new, v_new,
             stage_k, stage_v, stage_of, self._q_rows.data_ptr(), self._kv_starts.data_ptr(),
-            self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(), len(self.decode_rows),
-            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, sliding_window or 0,
-            logit_softcap or 0.0, kv_format,
+            self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(), mass, mass_at,
+            len(self.decode_rows), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+            sliding_window or 0, logit_softcap or 0.0, kv_format,
         )  # fmt: skip
         if status != 0:
             raise MemoryError("cpu decode attention could not allocate its scratch buffers")

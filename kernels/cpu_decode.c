@@ -17,6 +17,8 @@
  *   stage_of     [pages]            int4 only: page -> staging slot (-1: none)
  *   kv_starts    [n]                sequence i's page table starts at kv_indices[kv_starts[i]]
  *   seq_lens     [n]                tokens in the cache for sequence i, the new one included
+ *   mass         [...] or NULL      attention mass per position, added to (see radixkv_paged_decode)
+ *   mass_at      [n]                sequence i's positions start at mass[mass_at[i]] (< 0: not observed)
  * Query head j uses KV head j / (hq / hkv), as GQA's repeat_interleave does.
  *
  * KV formats (kv_format): KV_FP32, elements as they are; KV_INT8, codes c in [-127, 127]
@@ -35,6 +37,12 @@
  * of V rows; ranges are merged by their maxima and sums at the end. window > 0 keeps the
  * last `window` positions; softcap > 0 maps each score s to softcap * tanh(s / softcap).
  * Rows come from scattered pages, so each pass prefetches the row AHEAD tokens on.
+ *
+ * Attention mass (for KV eviction policies): with `mass`, each observed sequence's
+ * probabilities per position, summed over its query heads, are added to its entries of
+ * `mass`, taken from the exponentials the softmax pass leaves (every format has them
+ * right after it, before V's pass), normalized by the head's final sum: at once when a
+ * context is one range, after the ranges' merge when it is split (radixkv_paged_decode).
  *
  * int8 (attend_part_int8) keeps those passes and splits, with its own inner loops: K's
  * dot products 8 tokens at a time (their sums reduced together), V's weighted sums 16
@@ -164,12 +172,45 @@ INLINE void softmax_rows(float *scores, float *acc, float *m, float *l, int64_t 
     }
 }
 
+/* mass[u] += sum over j < hq of w[j] * e[j * span + u], for u < span: a range's weights
+ * e [hq][span] summed over the heads, 64 positions at a time (their sums stay in L1) */
+INLINE void add_heads(float *mass, const float *e, const float *w, int64_t hq, int64_t span) {
+    for (int64_t u0 = 0; u0 < span; u0 += 64) {
+        const int64_t count = span - u0 < 64 ? span - u0 : 64;
+        float sum[64];
+        for (int64_t u = 0; u < count; u++) sum[u] = mass[u0 + u];
+        for (int64_t j = 0; j < hq; j++) {
+            const float wj = w[j], *ej = e + j * span + u0;
+#pragma omp simd
+            for (int64_t u = 0; u < count; u++) sum[u] += wj * ej[u];
+        }
+        for (int64_t u = 0; u < count; u++) mass[u0 + u] = sum[u];
+    }
+}
+
+/* An observed row's range right after its softmax: e [hq][span] the weights exp(score -
+ * m[j]), l [hq] their sums. When the range is the whole context (kept NULL), each
+ * position's probability summed over the heads, sum_j e[j] / l[j], is added to mass
+ * [span] now; else e is copied to kept [hq][span], to be weighted once the ranges are
+ * merged (radixkv_paged_decode's last pass). */
+INLINE void observe_range(const float *e, const float *l, int64_t hq, int64_t span, float *mass, float *kept) {
+    if (kept != NULL) {
+        memcpy(kept, e, sizeof(float) * (size_t)(hq * span));
+        return;
+    }
+    float inv[hq];
+    for (int64_t j = 0; j < hq; j++) inv[j] = 1.0f / l[j];
+    add_heads(mass, e, inv, hq, span);
+}
+
 /* Sequence i's query heads against positions [from, to) of its context, unnormalized:
  * per head j, m[j] = the largest score, l[j] = sum of exp(score - m[j]) and
- * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. */
+ * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. mass,
+ * kept: observe_range's (mass NULL: the row is not observed), as in the other formats. */
 INLINE void attend_part(const float *qi, const float *k_cache, const float *v_cache, const int32_t *pages,
                         int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
-                        int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap) {
+                        int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap, float *mass,
+                        float *kept) {
     const int64_t group = hq / hkv, row = hkv * d, span = to - from;
     for (int64_t t = from; t < to; t++) {
         prefetch_row(k_cache, pages, t + AHEAD, to, page_size, row);
@@ -182,6 +223,7 @@ INLINE void attend_part(const float *qi, const float *k_cache, const float *v_ca
             }
     }
     softmax_rows(scores, acc, m, l, hq, d, span);
+    if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
     for (int64_t t = from; t < to; t++) {
         prefetch_row(v_cache, pages, t + AHEAD, to, page_size, row);
         const float *vr = row_of(v_cache, pages, t, page_size, row);
@@ -399,7 +441,7 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
                              const uint8_t *v_params, const float *scales, const float *basis, const int32_t *pages,
                              int64_t from, int64_t to, float *scores, int64_t *slots, float *sc, float *qb, float *acc,
                              float *m, float *l, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale,
-                             float softcap) {
+                             float softcap, float *mass, float *kept) {
     const int64_t group = hq / hkv, row = hkv * d, span = to - from;
     range_slots(pages, from, span, page_size, slots);
     const float *qi = q;
@@ -453,6 +495,7 @@ INLINE void attend_part_int8(const float *q, const int8_t *k_cache, const int8_t
     }
 
     softmax_rows_vec(scores, acc, m, l, hq, d, span);
+    if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
 
     /* weights: p * scale per token */
     unpack_scales(v_params, scales, slots, 0, span, span, hkv, 1.0f, sc);
@@ -757,7 +800,7 @@ attend_part_int4(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
                  const uint16_t *v_params, const float *basis, const struct own_rows *own, const int32_t *pages,
                  int64_t from, int64_t to, int64_t len, int64_t *slots, float *scores, float *sv, float *ov, float *qs,
                  float *sums, float *kq, float *ks, float *ko, float *vo, float *acc, float *m, float *l, int64_t hq,
-                 int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap) {
+                 int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap, float *mass, float *kept) {
     const int64_t group = hq / hkv, half = d / 2, span = to - from, row = hkv * half /* bytes */;
     const int64_t own_start = (len - 1) / page_size * page_size;
     const int64_t sealed_end = to < own_start ? to : own_start, ns = sealed_end > from ? sealed_end - from : 0;
@@ -829,6 +872,7 @@ attend_part_int4(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
             for (int64_t u = 0; u < span; u++) scores[j * span + u] = softcap * tanhf(scores[j * span + u] / softcap);
 
     softmax_rows_vec(scores, sums, m, l, hq, d, span);
+    if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
 
     /* sealed V: sum_t p (s c + o) = sum_t (p s) c + sum_t p o, the second one number per head */
     if (ns > 0) {
@@ -917,17 +961,34 @@ attend_part_int4(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
     }
 }
 
+/* positions [*from, *to) of a context of len tokens that range `part` of `parts` covers:
+ * the last `window` positions (window > 0) or all, split evenly */
+INLINE void range_of(int64_t len, int64_t window, int64_t part, int64_t parts, int64_t *from, int64_t *to) {
+    const int64_t first = (window > 0 && len > window) ? len - window : 0;
+    *from = first + (len - first) * part / parts, *to = first + (len - first) * (part + 1) / parts;
+}
+
 /* Decode attention of n sequences into out (see the top of this file). kv_format:
  * KV_FP32 (k_params, v_params, scales, basis and the own-page rows unused), KV_INT8 (basis
  * NULL: rows stored as they are; own-page rows unused) or KV_INT4 (scales unused; basis
- * NULL: rows stored as they are). Returns 0, or -1 when scratch memory could not be had
- * or the format is unknown. */
+ * NULL: rows stored as they are).
+ *
+ * Attention mass (mass non-NULL): for each sequence i with mass_at[i] >= 0, adds to
+ * mass[mass_at[i] + t] the probability that position t gets, summed over the query heads
+ * (0 outside the window), for every t < seq_lens[i]; mass_at[i] < 0: not observed. A
+ * context in one range adds sum_j e_j / l_j as its task ends (observe_range); split into
+ * ranges, each range keeps its weights e_j = exp(score - m_j) (hq floats per position),
+ * the merge records each range's share exp(m_j - top_j) / total_j per head, and a last
+ * parallel pass adds the kept weights times their shares.
+ *
+ * Returns 0, or -1 when scratch memory could not be had or the format is unknown. */
 int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cache, const void *k_params,
                          const void *v_params, const float *scales, const float *basis, const float *k_new,
                          const float *v_new, const float *stage_k, const float *stage_v, const int64_t *stage_of,
                          const int64_t *rows, const int32_t *kv_starts, const int32_t *kv_indices,
-                         const int32_t *seq_lens, float *out, int64_t n, int64_t hq, int64_t hkv, int64_t d,
-                         int64_t page_size, float scale, int64_t window, float softcap, int64_t kv_format) {
+                         const int32_t *seq_lens, float *out, float *mass, const int64_t *mass_at, int64_t n,
+                         int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, int64_t window,
+                         float softcap, int64_t kv_format) {
     if (kv_format != KV_FP32 && kv_format != KV_INT8 && kv_format != KV_INT4) return -1;
     /* Fewer sequences than twice the threads: split each context into `parts` ranges, so
      * that one long sequence still keeps every thread reading (a thread streams its own
@@ -936,20 +997,41 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
     const int64_t parts = n >= 2 * threads ? 1 : (2 * threads + n - 1) / n;
     const int64_t stride = hq * (d + 2); /* one part's acc [hq][d], m [hq], l [hq] */
     float *partial = malloc(sizeof(float) * (size_t)(n * parts * stride));
-    if (partial == NULL) return -1;
+    /* observed contexts split into ranges: each row's offset into kept (hq floats per
+     * position), the kept weights, and each range's share per head [n * parts][hq] */
+    const int split_mass = mass != NULL && parts > 1;
+    int64_t *kept_at = NULL;
+    float *kept = NULL, *shares = NULL;
+    if (split_mass) {
+        kept_at = malloc(sizeof(int64_t) * (size_t)n);
+        int64_t size = 0;
+        for (int64_t i = 0; kept_at != NULL && i < n; i++) {
+            kept_at[i] = size;
+            if (mass_at[i] >= 0) size += hq * seq_lens[i];
+        }
+        kept = malloc(sizeof(float) * (size_t)(size > 0 ? size : 1));
+        shares = malloc(sizeof(float) * (size_t)(n * parts * hq));
+    }
+    if (partial == NULL || (split_mass && (kept_at == NULL || kept == NULL || shares == NULL))) {
+        free(partial), free(kept_at), free(kept), free(shares);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * parts; task++) {
         const int64_t i = task / parts, part = task % parts;
         const int64_t len = seq_lens[i];
-        const int64_t first = (window > 0 && len > window) ? len - window : 0;
-        const int64_t from = first + (len - first) * part / parts, to = first + (len - first) * (part + 1) / parts;
+        int64_t from, to;
+        range_of(len, window, part, parts, &from, &to);
         float *acc = partial + task * stride, *m = acc + hq * d, *l = m + hq;
         if (from == to) { /* a range too short to split: contributes nothing */
             for (int64_t j = 0; j < hq; j++) l[j] = 0.0f;
             continue;
         }
         const int64_t span = to - from;
+        /* this range's share of the row's mass, and where it keeps its weights when split */
+        float *mass_i = mass != NULL && mass_at[i] >= 0 ? mass + mass_at[i] + from : NULL;
+        float *kept_i = mass_i != NULL && kept != NULL ? kept + kept_at[i] + hq * from : NULL;
         /* scratch: the scores [hq][span]; int8 also keeps the range's slots [span] (first,
          * for their alignment), a scale per token and KV head and a turned query [hq][d];
          * int4 the slots, two parameters per token and KV head, and attend_part_int4's rest */
@@ -971,19 +1053,22 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
             const float *kc = k_cache, *vc = v_cache;
             float *scores = scratch;
             /* the common head sizes as constants, so the loops over d unroll into whole vectors */
+#define FP32_PART(D) \
+    attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, D, page_size, scale, softcap, mass_i, kept_i)
             if (d == 64)
-                attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, 64, page_size, scale, softcap);
+                FP32_PART(64);
             else if (d == 128)
-                attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, 128, page_size, scale, softcap);
+                FP32_PART(128);
             else
-                attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, d, page_size, scale, softcap);
+                FP32_PART(d);
+#undef FP32_PART
         } else if (kv_format == KV_INT8) {
             const int8_t *kc = k_cache, *vc = v_cache;
             int64_t *slots = scratch;
             float *scores = (float *)(slots + span), *sc = scores + hq * span, *qb = sc + hkv * span;
 #define INT8_PART(D)                                                                                             \
     attend_part_int8(qi, kc, vc, k_params, v_params, scales, basis, pages, from, to, scores, slots, sc, qb, acc, m, l, \
-                     hq, hkv, D, page_size, scale, softcap)
+                     hq, hkv, D, page_size, scale, softcap, mass_i, kept_i)
             if (d == 64)
                 INT8_PART(64);
             else if (d == 128)
@@ -1000,14 +1085,17 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
             float *vo = ko + d;
             /* one generic copy: head sizes as constants measured no faster, and cost build time */
             attend_part_int4(qi, k_cache, v_cache, k_params, v_params, basis, &own, pages, from, to, len, slots, scores,
-                             sv, ov, qs, sums, kq, ks, ko, vo, acc, m, l, hq, hkv, d, page_size, scale, softcap);
+                             sv, ov, qs, sums, kq, ks, ko, vo, acc, m, l, hq, hkv, d, page_size, scale, softcap,
+                             mass_i, kept_i);
         }
         free(scratch);
     }
-    /* each head's output: its parts rescaled to the largest max, summed, divided by the total weight */
+    /* each head's output: its parts rescaled to the largest max, summed, divided by the
+     * total weight; an observed split row's shares (weight / total) recorded per part */
     for (int64_t i = 0; i < n && !failed; i++)
         for (int64_t j = 0; j < hq; j++) {
             const float *base = partial + i * parts * stride;
+            float *share = kept != NULL && mass_at[i] >= 0 ? shares + i * parts * hq + j : NULL;
             float top = -INFINITY, total = 0.0f;
             for (int64_t p = 0; p < parts; p++) {
                 const float *m = base + p * stride + hq * d, *l = m + hq;
@@ -1021,10 +1109,23 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
                 const float w = parts == 1 ? 1.0f : expf(m[j] - top);
                 total += w * l[j];
                 for (int64_t e = 0; e < d; e++) oj[e] += w * acc[j * d + e];
+                if (share != NULL) share[p * hq] = w;
             }
             const float inv = 1.0f / total;
             for (int64_t e = 0; e < d; e++) oj[e] *= inv;
+            for (int64_t p = 0; share != NULL && p < parts; p++) share[p * hq] *= inv;
         }
-    free(partial);
+    /* the split rows' mass: each range's kept weights times its shares */
+    if (kept != NULL && !failed) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n * parts; task++) {
+            const int64_t i = task / parts;
+            int64_t from, to;
+            range_of(seq_lens[i], window, task % parts, parts, &from, &to);
+            if (mass_at[i] < 0 || from == to) continue;
+            add_heads(mass + mass_at[i] + from, kept + kept_at[i] + hq * from, shares + task * hq, hq, to - from);
+        }
+    }
+    free(partial), free(kept_at), free(kept), free(shares);
     return failed ? -1 : 0;
 }

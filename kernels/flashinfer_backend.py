@@ -16,7 +16,9 @@ What happens when:
   when every sequence has exactly one new token and the causal prefill wrapper
   otherwise. Later layers reuse that plan; it is redone only when the scale, window,
   soft-cap, head counts or dtypes differ from the previous layer's.
-- every ``forward``: runs on the layer's KV view, which the pool has already written.
+- every ``forward``: runs on the layer's KV view, which the pool has already written;
+  with observed sequences (``batch.observe``), adds their attention mass through
+  ``AttentionBackend._observe`` (FlashInfer does not return probabilities per key).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class FlashInferBackend(AttentionBackend):
         device = batch.kv_indices.device
         if device.type != "cuda":
             raise ValueError(f"the flashinfer backend runs on CUDA tensors, the batch is on {device}")
+        super().plan(batch)
         if self._workspace is None or self._workspace.device != device:
             # zero-filled: FlashInfer asks for a zeroed float workspace on first use
             self._workspace = torch.zeros(self._workspace_bytes, dtype=torch.uint8, device=device)
@@ -105,7 +108,10 @@ class FlashInferBackend(AttentionBackend):
         key = (q.shape[1], hkv, dim, q.dtype, k_cache.dtype, float(scale), window_left(sliding_window), logit_softcap)
         if key != self._planned:
             self._plan_flashinfer(*key)
-        return self._wrapper.run(q.contiguous(), (k_cache, v_cache))
+        out = self._wrapper.run(q.contiguous(), (k_cache, v_cache))
+        if self.mass:  # FlashInfer returns no per-key probabilities: the generic path
+            self._observe(q, k, kv, scale, sliding_window, logit_softcap)
+        return out
 
     def _plan_flashinfer(self, hq, hkv, dim, q_dtype, kv_dtype, scale, win, softcap):
         """Run FlashInfer's plan for the recorded batch and these layer settings."""

@@ -18,6 +18,7 @@ class TorchBackend(AttentionBackend):
     quantized_kv = True  # dequantizes what it gathers
 
     def plan(self, batch) -> None:
+        super().plan(batch)
         ps = batch.page_size
         device = batch.kv_indices.device
         offsets = torch.arange(ps, device=device, dtype=torch.int64)
@@ -46,13 +47,16 @@ class TorchBackend(AttentionBackend):
         if kv.format.paged:
             out = torch.empty_like(q)
             self.attend_paged(q, k, v, kv, scale, sliding_window, logit_softcap, out)
-            return out
-        if self.decode:
+        elif self.decode:
             if self.pad_slots is None:
                 self._pad_decode()
-            return self._decode(q, kv, scale, sliding_window, logit_softcap)
-        out = torch.empty_like(q)
-        self.attend_sequences(q, stored_as(k, kv, "k"), stored_as(v, kv, "v"), kv, scale, sliding_window, logit_softcap, out)
+            out = self._decode(q, kv, scale, sliding_window, logit_softcap)
+        else:
+            out = torch.empty_like(q)
+            k_stored, v_stored = stored_as(k, kv, "k"), stored_as(v, kv, "v")
+            self.attend_sequences(q, k_stored, v_stored, kv, scale, sliding_window, logit_softcap, out)
+        if self.mass:
+            self._observe(q, k, kv, scale, sliding_window, logit_softcap)
         return out
 
     def attend_sequences(self, q, k, v, kv, scale, sliding_window, logit_softcap, out,

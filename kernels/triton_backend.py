@@ -548,6 +548,7 @@ class TritonBackend(AttentionBackend):
             self.EXTEND_HALF = self.EXTEND_FP32 = (64, 64)
 
     def plan(self, batch) -> None:
+        super().plan(batch)
         self.batch = batch
         self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=batch.kv_indices.device)
         self.max_seq_len = max(batch.seq_lens)
@@ -565,6 +566,8 @@ class TritonBackend(AttentionBackend):
         # call), never from ``k``/``v``: attended to as stored, int8 codes included.
         # int4 reads the new tokens of its queries' own pages from ``k``/``v``: what
         # its staging holds (or, for pages written whole, what sealed them).
+        if self.mass:  # the observed sequences' attention mass, through the generic path (before q is rotated)
+            self._observe(q, k, kv, scale, sliding_window, logit_softcap)
         batch = self.batch
         k_cache, v_cache = kv.k, kv.v
         _, hq, dim = q.shape
