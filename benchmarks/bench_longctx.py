@@ -29,12 +29,9 @@ tokens, ignore_eos; each prompt extends the last by its answer, token for token)
 ``streaming`` at a 2048-token budget on a pool smaller than the conversation: per turn
 the prompt, the tokens served from the cache, the pages in use, the views.
 
-Part ``overhead``: decode with h2o's score bookkeeping (every decode row's attention
-mass, summed by the attention kernel) against the same batch under ``window`` (no
-scores): 16 sequences of 2k tokens, 32 decode steps, the mean time per output token,
-interleaved repeats.
+The cost of the scores' bookkeeping in a decode step is ``benchmarks/bench_mass.py``'s.
 
-    .venv/bin/python benchmarks/bench_longctx.py [--parts ppl passkey askmany chat overhead]
+    .venv/bin/python benchmarks/bench_longctx.py [--parts ppl passkey askmany chat]
         [--contexts 1536 4096 8192] [--kept 0.5 0.25 0.125] [--peer] [--json benchmarks/out/bench_longctx.json]
 """
 
@@ -88,8 +85,8 @@ def continuation_nll(engine: Engine, ids: list[int], context: int, n: int, polic
     wall = time.perf_counter() - t0
     if out.error:
         raise RuntimeError(out.error)
-    lps = out.prompt_logprobs
-    assert len(lps) == n, (len(lps), n)
+    lps = out.prompt_logprobs[context:]  # one per prompt position; those before context are not computed
+    assert len(lps) == n and None not in lps, (len(lps), n)
     nll = -sum(lps) / n
     rest = -sum(lps[1:]) / (n - 1)
     return {"nll": nll, "ppl": math.exp(nll), "nll_rest": rest, "ppl_rest": math.exp(rest), "wall_s": wall}
@@ -147,7 +144,7 @@ def ppl_table(rows: list[dict], peer: list[dict]) -> str:
     peer_by = {}
     for r in peer:
         if r.get("ppl") is not None:
-            peer_by[(r["context"], r["press"], r["kept"])] = r
+            peer_by[(r["context"], r["press"], r.get("kept_fraction") or 1.0)] = r
     for context in sorted({r["context"] for r in rows}):
         peer_full = peer_by.get((context, "none", 1.0))
         for kept in sorted({r["kept"] for r in rows if r["policy"] != "none"}, reverse=True):
@@ -157,8 +154,8 @@ def ppl_table(rows: list[dict], peer: list[dict]) -> str:
                     continue
                 p = peer_by.get((context, policy, kept))
                 peer_delta = f"{p['ppl'] - peer_full['ppl']:+.3f}" if p and peer_full else "-"
-                lines.append(f"| {context} | {kept:g} | {policy} | {page['delta_ppl']:+.3f} | "
-                             f"{token['delta_ppl'] if token is None else token['delta_ppl']:+.3f} | {peer_delta} |")  # fmt: skip
+                token_delta = "-" if token is None else f"{token['delta_ppl']:+.3f}"
+                lines.append(f"| {context} | {kept:g} | {policy} | {page['delta_ppl']:+.3f} | {token_delta} | {peer_delta} |")
     return "\n".join(lines)
 
 
@@ -166,7 +163,7 @@ def ppl_targets(rows: list[dict], peer: list[dict]) -> list[dict]:
     """Best page-level policy vs best token-level (ours) and vs kvpress's same policy,
     per context at 50% and 25% kept (margins 1 and 3.5 points of ppl change)."""
     out = []
-    peer_by = {(r["context"], r["press"], r["kept"]): r for r in peer if r.get("ppl") is not None}
+    peer_by = {(r["context"], r["press"], r.get("kept_fraction") or 1.0): r for r in peer if r.get("ppl") is not None}
     for context in sorted({r["context"] for r in rows}):
         for kept, margin in ((0.5, 1.0), (0.25, 3.5)):
             page = [r for r in rows if r["context"] == context and r["level"] == "page" and r["kept"] == kept]
@@ -285,39 +282,16 @@ def part_chat(args) -> dict:
             "max_state_pages": max((t["state_pages"] or 0) for t in turns)}  # fmt: skip
 
 
-# -- part overhead ----------------------------------------------------------------------------
-
-
-def part_overhead(args) -> dict:
-    ids = None
-    times = {"window": [], "h2o": []}
-    with Engine(kv_cache_tokens=16 * 2304, page_size=16, max_running=16) as engine:
-        ids = text_ids(engine)
-        prompts = [ids[i * 97 : i * 97 + 2048] for i in range(16)]
-        for _ in range(args.overhead_repeats):
-            for policy in ("window", "h2o"):
-                engine.flush_cache()
-                sp = SamplingParams(max_new_tokens=33, temperature=0, ignore_eos=True, kv_policy=policy,
-                                    kv_budget=4096)  # fmt: skip
-                outs = engine.generate(prompts, sp)
-                gaps = [g for o in outs for g in o.metrics.inter_token_latencies]
-                times[policy].append(statistics.mean(gaps))
-                print(f"overhead {policy}: {times[policy][-1] * 1e3:.1f} ms per decode step", flush=True)
-        engine.check_integrity()
-    w, h = statistics.median(times["window"]), statistics.median(times["h2o"])
-    return {"batch": 16, "context": 2048, "steps": 32, "window_step_s": w, "h2o_step_s": h, "overhead": h / w - 1,
-            "samples": times}  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["ppl", "passkey", "askmany", "chat", "overhead"])
+    ap.add_argument("--parts", nargs="+", default=["ppl", "passkey", "askmany", "chat"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096, 8192])
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--kept", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
     ap.add_argument("--peer", action="store_true", help="run kvpress in .peers/kvpress-venv (ppl part)")
     ap.add_argument("--threads", type=int, default=2, help="the peer's torch threads")
+    ap.add_argument("--peer-json", type=Path, default=None, help="kvpress rows from an earlier kvpress_ppl.py run")
     ap.add_argument("--passkey-lengths", type=int, nargs="+", default=[2048, 4096, 8000])
     ap.add_argument("--passkey-keys", type=int, default=3)
     ap.add_argument("--passkey-kept", type=float, default=0.25)
@@ -325,7 +299,6 @@ def main() -> None:
     ap.add_argument("--chat-turns", type=int, default=30)
     ap.add_argument("--chat-budget", type=int, default=2048)
     ap.add_argument("--chat-pool", type=int, default=3072)
-    ap.add_argument("--overhead-repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/bench_longctx.json")
     args = ap.parse_args()
     result: dict = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
@@ -342,6 +315,8 @@ def main() -> None:
         save()
         if args.peer:
             result["kvpress"] = run_peer(args)
+        elif args.peer_json is not None:
+            result["kvpress"] = json.loads(args.peer_json.read_text())["rows"]
         peer = result.get("kvpress", [])
         print(ppl_table(result["ppl"], peer))
         result["ppl_targets"] = ppl_targets(result["ppl"], peer)
@@ -362,11 +337,6 @@ def main() -> None:
         result["chat"] = c = part_chat(args)
         print(f"chat: min cached share past the budget {c['min_cached_share_past_budget']:.3f}, "
               f"max state pages {c['max_state_pages']} (pool {c['pool_pages']})")  # fmt: skip
-        save()
-    if "overhead" in args.parts:
-        result["overhead"] = o = part_overhead(args)
-        print(f"overhead: window {o['window_step_s'] * 1e3:.1f} ms, h2o {o['h2o_step_s'] * 1e3:.1f} ms per step: "
-              f"{o['overhead']:+.1%}")  # fmt: skip
         save()
 
 
