@@ -225,7 +225,7 @@ def alone():
         yield e
 
 
-DOC = open("/usr/share/common-licenses/GPL-3").read()[:3000]
+DOC = open("/usr/share/common-licenses/GPL-3").read()[:2400]
 QUESTIONS = ["\n\nQuestion: What is this licence called?\nAnswer:", "\n\nQuestion: Who may copy it?\nAnswer:"]
 
 
@@ -233,36 +233,42 @@ QUESTIONS = ["\n\nQuestion: What is this licence called?\nAnswer:", "\n\nQuestio
 def test_a_second_question_reuses_the_view_and_answers_as_the_compression_alone(engine, alone, policy):
     doc = engine.encode(DOC)
     prompts = [doc + engine.encode(q, add_special_tokens=False) for q in QUESTIONS]
-    params = SamplingParams(max_new_tokens=8, temperature=0, kv_policy=policy, kv_budget=0.25,
+    params = SamplingParams(max_new_tokens=6, temperature=0, kv_policy=policy, kv_budget=0.25,
                             kv_compress_at=len(doc))  # fmt: skip
     engine.flush_cache()
     first = engine.generate([prompts[0]], params)[0]
     second = engine.generate([prompts[1]], params)[0]
     point = len(doc) // 16 * 16
-    assert second.cached_tokens == point  # the view at the document's end, nothing after it
+    # the view at the document's end, then the page the questions share in its namespace
+    assert point <= second.cached_tokens <= point + 16
     assert engine.stats()["views"]["hits"] >= 1
     for got, prompt in zip((first, second), prompts):
         assert got.token_ids == alone.generate([prompt], params)[0].token_ids
-    full = SamplingParams(max_new_tokens=8, temperature=0)
+    if policy != "window":
+        return
+    full = SamplingParams(max_new_tokens=6, temperature=0)  # the plain namespace holds only exact pages
     plain = engine.generate([prompts[1]], full)[0]
     assert plain.cached_tokens <= point and plain.token_ids == alone.generate([prompts[1]], full)[0].token_ids
 
 
 def test_decode_time_eviction_keeps_the_table_bounded_and_matches_alone(engine, alone):
     prompt = engine.encode(DOC[:400])
-    params = SamplingParams(max_new_tokens=120, temperature=0, ignore_eos=True, kv_policy="streaming", kv_budget=64)
+    params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True, kv_policy="streaming", kv_budget=48)
+    engine.flush_cache()
     got = engine.generate([prompt], params)[0]
     assert got.token_ids == alone.generate([prompt], params)[0].token_ids
-    assert len(got.token_ids) == 120
+    assert len(got.token_ids) == 48
+    state = max(engine.loop.kv.views, key=lambda v: v.point)
+    assert len(state.pages) == 3 and state.point > len(prompt)  # evicted while decoding, 3 pages kept
     stats = engine.stats()
     assert stats["views"]["created"] >= 3
 
 
 def test_a_chat_under_streaming_runs_in_bounded_memory_and_hits_every_turn(engine, alone):
-    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, kv_policy="streaming", kv_budget=64)
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, kv_policy="streaming", kv_budget=64)
     engine.flush_cache()
     ids = engine.encode("A conversation about licences.\n")
-    for turn in range(6):
+    for turn in range(4):
         ids = ids + engine.encode(f"\nUser: {DOC[turn * 150 : turn * 150 + 150]}\nAssistant:", add_special_tokens=False)
         got = engine.generate([ids], params)[0]
         assert got.token_ids == alone.generate([ids], params)[0].token_ids
@@ -272,4 +278,4 @@ def test_a_chat_under_streaming_runs_in_bounded_memory_and_hits_every_turn(engin
         ids = ids + list(got.token_ids)
         previous = len(ids)
     state = max(engine.loop.kv.views, key=lambda v: v.point)
-    assert len(state.pages) == 64 // 16 and state.point > 200  # 4 pages hold a 300-token chat's state
+    assert len(state.pages) == 64 // 16 and state.point > 150  # 4 pages hold a 200-token chat's state
