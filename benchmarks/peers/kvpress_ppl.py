@@ -57,7 +57,7 @@ else) is recorded with its error rather than ending the benchmark.
 
     .peers/kvpress-venv/bin/python benchmarks/peers/kvpress_ppl.py \\
         [--contexts 1536 4096 8192] [--continuation 256] [--kept 0.5 0.25 0.125] \\
-        [--presses none streaming window snapkv h2o keydiff] [--out benchmarks/out/kvpress_ppl.json]
+        [--presses none streaming window snapkv h2o keydiff] [--out benchmarks/out/kvpress_ppl.json] [--resume]
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/kvpress_ppl.json")
     ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--resume", action="store_true", help="keep the ok rows already in --out, run the rest")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared 2-core machine, "
                     "2 threads with a busy neighbour ran 2-4x slower than 1)")
     args = ap.parse_args()
@@ -188,6 +189,11 @@ def main() -> None:
     print(f"# text: {len(text_ids)} tokens; trained context {max_pos}; continuation {N}", flush=True)
 
     rows: list[dict] = []
+    done: dict[tuple, dict] = {}
+    if args.resume and args.out.is_file():
+        for r in json.loads(args.out.read_text()).get("rows", []):
+            if r.get("status") == "ok" and r["continuation"] == N:
+                done[(r["context"], r["press"], r["kept_fraction"])] = r
     result = {
         "benchmark": "kvpress_ppl",
         "model": str(gguf),
@@ -225,6 +231,12 @@ def main() -> None:
             for kept in [1.0] if factory is None else args.kept:
                 row = {"context": C, "context_requested": requested, "continuation": N, "press": name,
                        "kept_fraction": kept, "compression_ratio": round(1 - kept, 6), "attn_implementation": attn}  # fmt: skip
+                if (C, name, kept) in done:
+                    row = done[(C, name, kept)]
+                    full_nll = row["nll"] if name == "none" else full_nll
+                    rows.append(row)
+                    print(format_row(row), flush=True)
+                    continue
                 model = load_model(gguf, attn)
                 need = eager_peak_gb(model, C) if attn == "eager" else 0.0
                 avail = mem_available_gb()

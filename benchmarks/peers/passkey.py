@@ -23,7 +23,7 @@ the generated tokens, so L=8192 prompts hold 8192 - 8 tokens); the greedy contin
 per (L, depth) (``--trials``, 5; the same keys in every cell and format).
 
     .peers/kvpress-venv/bin/python benchmarks/peers/passkey.py [--lengths 1024 2048 4096 8192]
-        [--depths 0.1 0.5 0.9] [--trials 5] [--formats plain chat] [--out benchmarks/out/passkey.json]
+        [--depths 0.1 0.5 0.9] [--trials 5] [--formats plain chat] [--out benchmarks/out/passkey.json] [--resume]
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/passkey.json")
     ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--resume", action="store_true", help="keep the trials already in --out (same keys), run the rest")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared 2-core machine, "
                     "2 threads with a busy neighbour ran 2-4x slower than 1)")
     args = ap.parse_args()
@@ -132,6 +133,10 @@ def main() -> None:
 
     trials: list[dict] = []
     cells: list[dict] = []
+    if args.resume and args.out.is_file():
+        old = json.loads(args.out.read_text())
+        trials += [t for t in old.get("trials", []) if t["key"] in keys]
+    done = {(t["format"], t["length"], t["depth"], t["key"]): t for t in trials}
     result = {
         "benchmark": "passkey",
         "model": str(gguf),
@@ -155,6 +160,9 @@ def main() -> None:
             for depth in args.depths:
                 cell = []
                 for key in keys:
+                    if (fmt, length, depth, key) in done:
+                        cell.append(done[(fmt, length, depth, key)])
+                        continue
                     ids, parts = prompts.build(target, depth, key, fmt)
                     gen, prefill_s, total_s = greedy(model, ids, args.new_tokens)
                     text = tokenizer.decode(gen, skip_special_tokens=True)
