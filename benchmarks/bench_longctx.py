@@ -99,7 +99,7 @@ def part_ppl(args) -> list[dict]:
     try:
         ids = text_ids(engines[16])
         for requested in args.contexts:
-            context = min(requested, MAX_POSITIONS - args.continuation) // 16 * 16
+            context = min(requested, MAX_POSITIONS - args.continuation - 1) // 16 * 16  # the prompt < the context
             if len(ids) < context + args.continuation:
                 raise SystemExit(f"the licence texts hold {len(ids)} tokens, fewer than {context + args.continuation}")
             for ps, engine in engines.items():

@@ -73,7 +73,7 @@ GEN_PARAMS = {  # gen() keyword -> SamplingParams field
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
     "seed": "seed", "regex": "regex", "kv_policy": "kv_policy", "kv_budget": "kv_budget",
-    "kv_compress_at": "kv_compress_at",
+    "kv_compress_at": "kv_compress_at", "kv_rerotate": "kv_rerotate",
 }  # fmt: skip
 
 
@@ -83,12 +83,13 @@ def gen(name: str | None = None, max_tokens: int = 128, stop: str | Sequence[str
         repetition_penalty: float | None = None, ignore_eos: bool | None = None,
         stop_token_ids: Sequence[int] | None = None, seed: int | None = None, regex: str | None = None,
         kv_policy: str | None = None, kv_budget: int | float | None = None,
-        kv_compress_at: int | None = None) -> Gen:  # fmt: skip
+        kv_compress_at: int | None = None, kv_rerotate: bool | None = None) -> Gen:  # fmt: skip
     """Generate into the state; ``s[name]`` is the text. Unset options keep the
     runtime's defaults (SamplingParams). ``regex`` constrains the output to a full
     match of the pattern (see radixkv.engine.constrain). ``kv_policy`` and ``kv_budget``
     (and ``kv_compress_at``, prompt tokens of context) bound the KV this generation
-    keeps (see radixkv.cache.compress); the compressed state is shared through the
+    keeps (see radixkv.cache.compress; ``kv_rerotate``: positions within the cache, so
+    a decode-time budget runs past the model's context); the compressed state is shared through the
     runtime's cache like any prefix."""
     given = dict(locals())
     params = {ours: given[kw] for kw, ours in GEN_PARAMS.items() if given[kw] is not None}

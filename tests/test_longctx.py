@@ -10,7 +10,8 @@ import pytest
 from radixkv import Engine, SamplingParams
 from radixkv.cache import PageAllocator, RadixCache
 from radixkv.cache.compress import (
-    OBSERVE_TOKENS, POLICIES, SINK_TOKENS, ViewNamespace, keydiff_scores, resolve_policy, select_pages,
+    OBSERVE_TOKENS, POLICIES, SINK_TOKENS, ViewNamespace, keydiff_scores, rerotate_pages, resolve_policy,
+    select_pages,
 )  # fmt: skip
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.errors import FieldError
@@ -72,6 +73,10 @@ def test_keydiff_scores_the_key_least_like_the_mean_highest():
         (dict(kv_budget=100), "kv_budget"),
         (dict(kv_policy="snapkv", kv_budget=100, kv_compress_at=0), "kv_compress_at"),
         (dict(kv_compress_at=5), "kv_compress_at"),
+        (dict(kv_rerotate=True), "kv_rerotate"),
+        (dict(kv_policy="streaming", kv_budget=64, kv_rerotate="yes"), "kv_rerotate"),
+        (dict(kv_policy="streaming", kv_budget=0.5, kv_rerotate=True), "kv_rerotate"),
+        (dict(kv_policy="streaming", kv_budget=64, kv_compress_at=128, kv_rerotate=True), "kv_rerotate"),
     ],
 )
 def test_bad_policies_and_budgets_name_the_field(kw, field):
@@ -83,6 +88,52 @@ def test_bad_policies_and_budgets_name_the_field(kw, field):
 def test_a_ratio_needs_a_context_of_two_pages():
     with pytest.raises(FieldError, match="kv_budget"):
         resolve_policy("snapkv", 0.5, None, 16, 20)
+
+
+def test_rerotate_positions_must_fit_the_context():
+    # budget 448 + interval 48 (448 // 8, whole pages): positions up to 495
+    assert resolve_policy("streaming", 448, None, 16, 10, True, 496).max_position() == 495
+    with pytest.raises(FieldError, match="kv_budget") as e:
+        resolve_policy("streaming", 480, None, 16, 10, True, 512)  # 480 + 48 - 1 = 527
+    assert "512" in str(e.value)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_rerotate_pages_moves_keys_to_their_new_positions(kv_dtype):
+    """Keys stored at position p, moved back s positions, equal the same keys rotated
+    at p - s (values untouched), into a copy or in place."""
+    import torch
+
+    from radixkv.cache.pool import KVPool, PoolConfig
+    from radixkv.model.llama import _apply_rope
+
+    ps, d = 4, 8
+    pool = KVPool(PoolConfig(num_layers=2, num_kv_heads=2, head_dim=d, page_size=ps, kv_dtype=kv_dtype, num_pages=8))
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    raw = torch.randn(3 * ps, 2, d, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(3 * ps, 2, d, generator=torch.Generator().manual_seed(1))
+
+    def rope(x, positions):
+        f = torch.tensor(positions, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat([f, f], -1)[:, None, :]
+        return _apply_rope(x, emb.cos(), emb.sin())
+
+    at = [p for page in (5, 9, 14) for p in range(page * ps, page * ps + ps)]  # pages at positions 20, 36, 56
+    src = pool.alloc(3)
+    slots = pool.slots(src, 0, 3 * ps)
+    for layer in range(2):
+        pool.store_kv(layer, rope(raw, at), v, slots)
+    shifts = np.array([20, 32, 48])  # to positions 0, 4, 8
+    dst = np.array([pool.alloc(1)[0], src[1], src[2]], dtype=np.int32)  # one copy, two in place
+    rerotate_pages(pool, inv, src, dst, shifts)
+    want = rope(raw, list(range(3 * ps)))
+    tol = 1e-5 if kv_dtype == "float32" else 0.05
+    for layer in range(2):
+        k, got_v = pool.read_kv(layer, pool.slots(dst, 0, 3 * ps))
+        assert torch.allclose(k.float(), want, atol=tol), (k.float() - want).abs().max()
+        assert torch.allclose(got_v.float(), v, atol=tol)
+    k0, _ = pool.read_kv(0, pool.slots(src[:1], 0, ps))  # the copy's source keeps its keys
+    assert torch.allclose(k0.float(), rope(raw[:ps], at[:ps]), atol=tol)
 
 
 # ---------------------------------------------------------------- the manager (exact page ids)
@@ -164,6 +215,45 @@ def test_prefill_time_compresses_once_and_the_question_grows_on_the_view():
     for s in (b, c):
         kv.release(s, prompt + [5])
     kv.check([])
+
+
+def rerotating(num_pages: int, tree: bool = True):
+    """A manager whose rerotate hook records (sources, destinations, shifts)."""
+    pool, calls = PageAllocator(num_pages), []
+    hook = lambda src, dst, shifts: calls.append((ids(src), ids(dst), ids(shifts)))  # noqa: E731
+    return KVCacheManager(pool, RadixCache(pool, PS) if tree else None, PS, rerotate=hook), calls
+
+
+def test_rerotate_copies_kept_pages_the_tree_shares_and_moves_its_own_in_place():
+    prompt = list(range(100, 113))
+    policy = resolve_policy("streaming", 6, None, PS, len(prompt), True)  # sinks: 2 pages, then the last 1
+    assert (policy.kept_pages(), policy.interval) == (3, 2)
+    kv, calls = rerotating(32)
+    a = SeqKV(policy=policy)
+    kv.admit(a, prompt)
+    assert run(kv, a, prompt, 9) == [8]
+    # table [0 1 2 3] keeps [0 1 3]; page 3 moves back one page; the tree keeps its original
+    (src, dst, shifts), = calls
+    assert src == [3] and dst != [3] and shifts == [PS]
+    assert ids(a.view.pages) == [0, 1, *dst] and a.position_shift == a.dropped == 2
+    assert kv.tree.match_prefix(prompt[:8], record_stats=False).num_tokens == 8  # the exact pages stay cached
+    kv.check([a])
+    kv.release(a, prompt)
+    kv.check([])
+    # a pool with no room for a copy: eviction leaves page 3 to the sequence, rotated in place
+    kv, calls = rerotating(4)
+    b = SeqKV(policy=policy)
+    kv.admit(b, prompt)
+    assert run(kv, b, prompt, 9) == [8]
+    assert calls == [([3], [3], [PS])] and ids(b.view.pages) == [0, 1, 3]
+    kv.check([b])
+    # without a prefix cache the sequence owns every page: in place too
+    kv, calls = rerotating(8, tree=False)
+    c = SeqKV(policy=policy)
+    kv.admit(c, prompt)
+    assert run(kv, c, prompt, 9) == [8]
+    assert calls == [([3], [3], [PS])] and ids(c.pages[:3]) == [0, 1, 3]
+    kv.check([c])
 
 
 def test_views_are_evicted_least_recently_used_with_their_namespace():
@@ -279,3 +369,33 @@ def test_a_chat_under_streaming_runs_in_bounded_memory_and_hits_every_turn(engin
         previous = len(ids)
     state = max(engine.loop.kv.views, key=lambda v: v.point)
     assert len(state.pages) == 64 // 16 and state.point > 150  # 4 pages hold a 200-token chat's state
+
+
+@pytest.fixture(scope="module")
+def short_context():
+    """An engine whose context is 512 tokens, so a sequence can run past it quickly."""
+    with Engine(kv_cache_tokens=2048, page_size=16, context_length=512) as e:
+        yield e
+
+
+def test_rerotate_runs_past_the_context_and_a_uniform_shift_changes_nothing(short_context):
+    e = short_context
+    long = e.encode(open("/usr/share/common-licenses/GPL-3").read()[:4000])[:560]
+    with pytest.raises(ValueError, match="context is 512"):
+        e.generate([long], SamplingParams(max_new_tokens=4, kv_policy="streaming", kv_budget=256))
+    with pytest.raises(FieldError, match="kv_budget"):  # its positions would pass the context
+        e.generate([long[:100]], SamplingParams(max_new_tokens=4, kv_policy="streaming", kv_budget=480, kv_rerotate=True))
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, kv_policy="streaming", kv_budget=256,
+                            kv_rerotate=True)  # fmt: skip
+    first = e.generate([long], params)[0]
+    assert first.error is None and len(first.token_ids) == 16  # 576 tokens at positions below 288
+    again = e.generate([long], params)[0]
+    assert again.token_ids == first.token_ids and again.cached_tokens >= 512  # its views serve it
+    # window keeps a contiguous run of pages: moving all of them back by the same amount
+    # keeps every query-key distance, so the output is the same as at the original positions
+    short = long[:320]
+    window = dict(max_new_tokens=16, temperature=0, ignore_eos=True, kv_policy="window", kv_budget=96)
+    plain = e.generate([short], SamplingParams(**window))[0]
+    moved = e.generate([short], SamplingParams(**window, kv_rerotate=True))[0]
+    assert moved.token_ids == plain.token_ids
+    e.check_integrity()

@@ -357,6 +357,10 @@ BAD = [  # (id, path, body: dict or raw bytes, status, param)
     ("kv budget ratio 2", "/v1/completions", {**OK, "kv_policy": "snapkv", "kv_budget": 2.0}, 400, "kv_budget"),
     ("ratio on a short prompt", "/generate", {"text": "hi", "sampling_params": {"kv_policy": "h2o", "kv_budget": 0.5}},
      400, "sampling_params.kv_budget"),
+    ("rerotate with a ratio", "/v1/completions", {**OK, "kv_policy": "streaming", "kv_budget": 0.5, "kv_rerotate": True},
+     400, "kv_rerotate"),
+    ("rerotate past the context", "/generate", {"text": "hi", "sampling_params": {
+        "kv_policy": "streaming", "kv_budget": 8000, "kv_rerotate": True}}, 400, "sampling_params.kv_budget"),
     ("unknown route", "/v2/nothing", OK, 404, None),
 ]
 

@@ -36,6 +36,16 @@ namespaces never hold such pages) and the reverse (a view's namespace holds only
 computed on it). Views are evicted like pages (least recently used, unlocked), with
 their namespace's subtree.
 
+Positions. Kept keys keep the rotary positions they were computed at, so a sequence's
+positions grow with its tokens and end at the model's trained context. With
+``kv_rerotate`` (decode-time budgets only) a compression also moves the kept pages to
+consecutive positions from 0 (StreamingLLM's positions within the cache): each page that
+moves gets its keys rotated by its shift (``rerotate_pages``), in place where the
+sequence holds the page alone, else into a copy, so the tree's pages never change. Its
+positions then equal its KV indices and stay below ``budget + interval``: a chat or a
+generation runs past the trained context. A view's key names the option, so pages of
+the two position schemes never meet.
+
 Scores. ``snapkv`` and ``h2o`` read each KV entry's attention probability mass, which
 the attention backend sums while it attends (``ForwardBatch.observe``); ``keydiff``
 reads the keys from the pool at the point; ``window`` and ``streaming`` need nothing.
@@ -93,7 +103,8 @@ class KVPolicySpec:
     compression (whole pages: ``budget // page_size``), or ``ratio`` of the tokens
     before the explicit point; ``compress_at`` the explicit point (page-aligned,
     None: only decode-time eviction); ``interval`` tokens the table may grow past the
-    budget before the next eviction."""
+    budget before the next eviction; ``rerotate``: compressions move the kept pages to
+    consecutive positions (positions = KV indices)."""
 
     policy: Policy
     page_size: int
@@ -101,6 +112,7 @@ class KVPolicySpec:
     ratio: float | None
     compress_at: int | None
     interval: int
+    rerotate: bool = False
 
     @property
     def name(self) -> str:
@@ -115,15 +127,23 @@ class KVPolicySpec:
 
     def key(self) -> tuple:
         """What identifies the selection (a view's key)."""
-        return (self.policy.name, self.budget, self.ratio, self.interval)
+        return (self.policy.name, self.budget, self.ratio, self.interval, self.rerotate)
+
+    def max_position(self) -> int:
+        """With ``rerotate``: the highest position the sequence ever uses (kept pages
+        plus the interval, less one)."""
+        return self.kept_pages() * self.page_size + self.interval - 1
 
 
-def check_policy(name, budget, compress_at=None) -> None:
+def check_policy(name, budget, compress_at=None, rerotate=False) -> None:
     """FieldError naming the field unless ``name`` is a policy (or None with no budget),
-    ``budget`` an int of tokens >= 1 or a ratio in (0, 1), ``compress_at`` an int >= 1."""
+    ``budget`` an int of tokens >= 1 or a ratio in (0, 1), ``compress_at`` an int >= 1,
+    ``rerotate`` a bool, true only with a token budget and no ``compress_at``."""
+    if not isinstance(rerotate, bool):
+        raise FieldError("kv_rerotate", f"kv_rerotate must be a bool, got {rerotate!r}")
     if name is None:
-        if budget is not None or compress_at is not None:
-            field_ = "kv_budget" if budget is not None else "kv_compress_at"
+        if budget is not None or compress_at is not None or rerotate:
+            field_ = "kv_budget" if budget is not None else "kv_compress_at" if compress_at is not None else "kv_rerotate"
             raise FieldError(field_, f"{field_} needs kv_policy (one of {', '.join(POLICIES)})")
         return
     if not isinstance(name, str) or name not in POLICIES:
@@ -140,14 +160,19 @@ def check_policy(name, budget, compress_at=None) -> None:
         raise FieldError("kv_budget", f"kv_budget must be an int (tokens) or a float ratio in (0, 1), got {budget!r}")
     if compress_at is not None and (not is_int(compress_at) or compress_at < 1):
         raise FieldError("kv_compress_at", f"kv_compress_at must be an int >= 1 (prompt tokens), got {compress_at!r}")
+    if rerotate and (compress_at is not None or not is_int(budget)):
+        raise FieldError("kv_rerotate", "kv_rerotate applies to a decode-time budget: kv_budget in tokens (an int) "
+                         "and no kv_compress_at")  # fmt: skip
 
 
-def resolve_policy(name, budget, compress_at, page_size: int, prompt_len: int) -> KVPolicySpec | None:
+def resolve_policy(name, budget, compress_at, page_size: int, prompt_len: int, rerotate: bool = False,
+                   max_positions: int | None = None) -> KVPolicySpec | None:
     """The spec of a request's policy for ``page_size`` (None without a policy). A ratio
     applies at the explicit point, by default the prompt's last page boundary (before
     its last token); a token budget below one page is one page. Raises FieldError as
-    ``check_policy``, and for a ratio on a prompt shorter than two pages."""
-    check_policy(name, budget, compress_at)
+    ``check_policy``, for a ratio on a prompt shorter than two pages, and for a
+    ``rerotate`` budget whose positions would not fit ``max_positions``."""
+    check_policy(name, budget, compress_at, rerotate)
     if name is None:
         return None
     ratio = budget if isinstance(budget, float) else None
@@ -166,7 +191,39 @@ def resolve_policy(name, budget, compress_at, page_size: int, prompt_len: int) -
         interval = max(page_size, tokens // INTERVAL_SHARE // page_size * page_size)
     else:
         interval = max(page_size, round(ratio * point) // INTERVAL_SHARE // page_size * page_size)
-    return KVPolicySpec(POLICIES[name], page_size, tokens, ratio, point, interval)
+    spec = KVPolicySpec(POLICIES[name], page_size, tokens, ratio, point, interval, rerotate)
+    if rerotate and max_positions is not None and spec.max_position() >= max_positions:
+        raise FieldError("kv_budget", f"with kv_rerotate the positions reach kv_budget + {interval} (the interval) - 1 = "
+                         f"{spec.max_position()}: the model's context is {max_positions}")  # fmt: skip
+    return spec
+
+
+def rerotate_pages(pool, inv_freq, src: np.ndarray, dst: np.ndarray, shifts: np.ndarray) -> None:
+    """Write into pages ``dst`` the KV of pages ``src`` with each page's keys moved
+    ``shifts[i]`` positions back (rotary: ``R(p) k`` becomes ``R(p - shift) k``, one
+    rotation by ``-shift * inv_freq`` per channel pair, the rotate-half layout), every
+    layer; values unchanged. ``dst[i]`` may equal ``src[i]`` (in place). ``pool`` is a
+    ``KVPool`` (quantized formats are dequantized, rotated, quantized again);
+    ``inv_freq``: the model's rotary frequencies ``[head_dim / 2]``."""
+    import torch
+
+    if not len(src):
+        return
+    ps = pool.page_size
+    device = pool.config.device
+    inv = inv_freq.to(device=device, dtype=torch.float64)
+    angle = -torch.as_tensor(np.asarray(shifts, dtype=np.float64), device=device)[:, None] * inv[None, :]
+    angle = torch.cat([angle, angle], -1).repeat_interleave(ps, 0)[:, None, :]  # [pages * ps, 1, D]
+    cos, sin = angle.cos().float(), angle.sin().float()
+    take = lambda pages: torch.from_numpy(  # noqa: E731
+        (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)).to(device)
+    src_slots, dst_slots = take(src), take(dst)
+    for layer in range(pool.config.num_layers):
+        k, v = pool.read_kv(layer, src_slots)
+        k = k.float()
+        half = k.shape[-1] // 2
+        k = k * cos + torch.cat([-k[..., half:], k[..., :half]], -1) * sin
+        pool.store_kv(layer, k, v, dst_slots)
 
 
 def select_pages(spec: KVPolicySpec, num_pages: int, keep: int, scores: np.ndarray | None) -> np.ndarray:

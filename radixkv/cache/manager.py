@@ -110,6 +110,12 @@ class SeqKV:
         return self.computed - self.dropped
 
     @property
+    def position_shift(self) -> int:
+        """Token index minus rotary position: 0, or with ``kv_rerotate`` what
+        compression dropped (positions are then KV indices)."""
+        return self.dropped if self.policy is not None and self.policy.rerotate else 0
+
+    @property
     def offset(self) -> int:
         """Where the keys of the namespace ``node`` lives in begin (the view's point)."""
         return 0 if self.view is None else self.view.point
@@ -132,7 +138,8 @@ class KVCacheManager:
     Every method says what it mutates; none is thread-safe (one thread owns memory).
     """
 
-    def __init__(self, pool: PageAllocator, tree: RadixCache | None, page_size: int, tiers=None):
+    def __init__(self, pool: PageAllocator, tree: RadixCache | None, page_size: int, tiers=None,
+                 rerotate: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None):
         if tree is not None and tree.page_size != page_size:
             raise ValueError(f"page_size {page_size} but the tree's pages hold {tree.page_size} tokens")
         if tiers is not None and tree is None:
@@ -144,6 +151,10 @@ class KVCacheManager:
         if tiers is not None:
             tree.on_evict = tiers.demote
         self.views = ViewIndex(pool, tree, page_size) if tree is not None else None  # long-context views
+        # kv_rerotate: rerotate(src, dst, shifts) writes src pages' KV into dst with keys moved
+        # shifts[i] positions back (the engine binds the pool and the model's rotary); None:
+        # pages are moved without content (the simulator's allocator has none)
+        self.rerotate = rerotate
 
     # -- queries -------------------------------------------------------------------------
 
@@ -329,7 +340,7 @@ class KVCacheManager:
         """Whether ``seq`` has just computed up to its next point (then ``compress``)."""
         return seq.policy is not None and seq.computed == self.next_point(seq)
 
-    def compress(self, seq: SeqKV, tokens) -> int:
+    def compress(self, seq: SeqKV, tokens, make_room: Callable[[], bool] | None = None) -> int:
         """Compress ``seq`` at its point (``at_point``): publish what it computed, keep
         its policy's pages and drop the rest from the table; with the prefix cache the
         kept pages become a view (an equal view already stored is taken instead) and the
@@ -338,8 +349,12 @@ class KVCacheManager:
             table  |== view or tree pages, all whole ==|     (point = computed)
             ->     |== kept: the new view (locked) ==|       dropped pages stay cached, unlocked
 
+        With ``kv_rerotate`` the kept pages that move are rotated to their new positions
+        first (``_move_kept``; ``make_room`` as in ``reserve``, for copies).
+
         Returns the pages dropped from the table. Mutates ``seq``, the tree, the views
-        and (without a tree) the pool. Raises ValueError away from a point.
+        and (without a tree) the pool. Raises ValueError away from a point, and
+        MemoryError when kept pages must be copied and nothing frees room.
         """
         if not self.at_point(seq):
             raise ValueError(f"compress runs at a point: computed {seq.computed}, next point {self.next_point(seq)}")
@@ -354,21 +369,74 @@ class KVCacheManager:
         kept_scores = seq.scores[idx] if spec.policy.observe == "all" and seq.scores is not None else None
         if self.views is None:  # no prefix cache: the sequence owns every page
             self.pool.free(np.delete(seq.pages, idx))
+            if spec.rerotate:
+                self._rotate(kept, kept, idx - np.arange(len(idx)))
             seq.pages, seq.dropped = kept.copy(), point - len(kept) * ps
         else:
             key = self._view_key(seq, tokens, point)
-            view = self.views.add(key, point, kept, kept_scores)
-            self.views.lock(view)
+            old = self.views.get(key) if spec.rerotate else None
+            held = None
+            if spec.rerotate and old is None:
+                self.pool.incref(kept)  # the kept pages outlive the unlocks below
+                held = kept
             if seq.node is not None:
                 self.tree.unlock(seq.node)
             if seq.view is not None:
                 self.views.unlock(seq.view)
-            seq.view, seq.node = view, None
+            seq.view, seq.node = None, None
+            if held is not None:
+                try:
+                    kept = held = self._move_kept(held, idx, make_room)
+                except MemoryError:
+                    self._set(seq, _EMPTY, None, 0)
+                    raise
+            view = old or self.views.add(key, point, kept, kept_scores)
+            self.views.lock(view)
+            if held is not None:
+                self.pool.release(held)
+            seq.view = view
             seq.pages, seq.dropped, seq.published = view.pages.copy(), view.dropped, point
             kept_scores = None if view.scores is None else view.scores.copy()
         seq.last_point = point
         seq.scores = kept_scores
         return n - len(idx)
+
+    def _move_kept(self, kept: np.ndarray, idx: np.ndarray, make_room: Callable[[], bool] | None) -> np.ndarray:
+        """``kv_rerotate``: kept page ``i`` (table index ``idx[i]``) goes to position
+        ``i * page_size``. A page that moves is rotated in place when the caller's
+        reference (taken on every kept page) is its only one, else into a new page;
+        unlocked memory is evicted first (LRU), which may leave kept pages to the caller
+        alone, then ``make_room`` is called. Returns the kept pages (the caller holds one
+        reference on each). Mutates the pool, the tree, the views; MemoryError when
+        copies find no room."""
+        moved = np.flatnonzero(idx != np.arange(len(idx)))
+        while True:
+            shared = moved[self.pool.refcount(kept[moved]) > 1]
+            short = len(shared) - self.pool.num_free()
+            if short <= 0:
+                break
+            state = (len(shared), self.pool.num_free())
+            self._evict(short)  # frees pages, or leaves kept pages to us alone: either helps
+            if (int((self.pool.refcount(kept[moved]) > 1).sum()), self.pool.num_free()) != state:
+                continue
+            if make_room is None or not make_room():
+                self.pool.release(kept)  # at a point the sequence owns no page: it ends empty
+                raise MemoryError(f"kv_rerotate: no room to copy {len(shared)} kept pages that other running "
+                                  "requests share")  # fmt: skip
+        out = kept.copy()
+        if len(shared):
+            out[shared] = self.pool.alloc(len(shared))
+        self._rotate(kept[moved], out[moved], idx[moved] - moved)
+        if len(shared):
+            self.pool.release(kept[shared])  # the caller's reference moves to the copies
+        return out
+
+    def _rotate(self, src: np.ndarray, dst: np.ndarray, shift_pages: np.ndarray) -> None:
+        """Rotate pages ``src`` into ``dst`` moved back ``shift_pages`` pages (in place:
+        ``dst is src``); entries that do not move are skipped."""
+        move = shift_pages != 0
+        if self.rerotate is not None and move.any():
+            self.rerotate(src[move], dst[move], shift_pages[move] * self.page_size)
 
     def _keydiff(self, seq: SeqKV) -> np.ndarray:
         """KeyDiff scores of ``seq``'s table pages, from the keys in the pool."""

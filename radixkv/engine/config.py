@@ -34,6 +34,7 @@ class EngineConfig:
     chunked_prefill_size: int | None = 512
     max_batch_tokens: int = 2048
     max_running: int = 64
+    context_length: int | None = None  # tokens a sequence may span; None: the model's trained context (at most that)
     debug: bool = False  # check pool/tree integrity whenever the engine goes idle
     host_cache_bytes: int | None = None  # a host tier below the pool (RAM), in bytes; None: none
     kv_store: str | None = None  # a store below: lmdb:PATH or redis://HOST:PORT/DB; None: none
@@ -43,7 +44,7 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("page_size", "max_batch_tokens", "max_running", "kv_store_bytes"):
             check_int(name, getattr(self, name), 1)
-        for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size", "host_cache_bytes"):
+        for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size", "host_cache_bytes", "context_length"):
             check_optional_int(name, getattr(self, name), 1)
         if self.kv_cache_tokens is not None and self.memory_bytes is not None:
             raise ValueError("give at most one of kv_cache_tokens and memory_bytes")

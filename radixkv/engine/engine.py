@@ -312,7 +312,7 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if (params.regex is None) != (constraint is None):
             raise ValueError("a request with regex needs its compiled constraint (compile_constraint), and only it")
-        ids = tuple(self.prompt_ids(prompt, bounded=params.kv_policy is not None))
+        ids = tuple(self.prompt_ids(prompt, bounded=params.kv_policy is not None, unbounded=params.kv_rerotate))
         self.check_policy(params, len(ids))
         rid = new_rid()
         sink = self._sinks[rid] = _Sink(rid, params.n, loop, stream)
@@ -332,7 +332,8 @@ class Engine:
             return
         if self.loop.model.config.sliding_window is not None:
             raise FieldError("kv_policy", "kv_policy is not supported for sliding-window models yet")
-        resolve_policy(params.kv_policy, params.kv_budget, params.kv_compress_at, self.loop.config.page_size, prompt_len)
+        resolve_policy(params.kv_policy, params.kv_budget, params.kv_compress_at, self.loop.config.page_size, prompt_len,
+                       params.kv_rerotate, self.max_context)  # fmt: skip
 
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` by the model's tokenizer (``split_special_tokens``:
@@ -345,7 +346,9 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        """The model's context length in tokens (prompt and output together)."""
+        """The context length in tokens (prompt and output together): the engine's
+        ``context_length``, or the model's trained context. A ``kv_rerotate`` request
+        bounds positions, not tokens: it may run past this."""
         return self.loop.max_context
 
     @property
@@ -358,10 +361,11 @@ class Engine:
         """Tokens that end a generation (end-of-turn tokens included)."""
         return frozenset(self.tokenizer.eos_token_ids)
 
-    def prompt_ids(self, prompt, bounded: bool = False) -> list[int]:
+    def prompt_ids(self, prompt, bounded: bool = False, unbounded: bool = False) -> list[int]:
         """``prompt`` (text or token ids) as checked token ids: not empty, in the
-        vocabulary, shorter than the context and (unless a long-context policy bounds its
-        KV: ``bounded``) than the pool. Raises ValueError/TypeError."""
+        vocabulary, shorter than the context (unless ``kv_rerotate`` bounds its
+        positions: ``unbounded``) and (unless a long-context policy bounds its KV:
+        ``bounded``) than the pool. Raises ValueError/TypeError."""
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
@@ -373,7 +377,7 @@ class Engine:
         vocab = self.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-        if len(ids) >= self.max_context:
+        if len(ids) >= self.max_context and not unbounded:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         capacity = self.loop.capacity_tokens
         if len(ids) >= capacity and not bounded:

@@ -15,6 +15,7 @@ One iteration: drain every command (add, abort, queries), then run one step:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -22,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from radixkv.cache.compress import resolve_policy
+from radixkv.cache.compress import rerotate_pages, resolve_policy
 from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import FLUSH_TIERS, KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
@@ -73,12 +74,16 @@ class EngineLoop:
         self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
         self.backend = get_backend(cfg.attention_backend, cfg.device, cfg.kv_format.dtype, as_dtype(cfg.dtype))
         self.tiers = self._tiers() if (cfg.host_cache_bytes or cfg.kv_store) else None
-        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers)
+        if cfg.context_length is not None and cfg.context_length > mc.max_position_embeddings:
+            raise ValueError(f"context_length {cfg.context_length} is past the model's trained context "
+                             f"({mc.max_position_embeddings} positions)")  # fmt: skip
+        rerotate = functools.partial(rerotate_pages, self.pool, mc.inv_freq())
+        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, rerotate)
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
         self.send = send
-        self.output = OutputProcessor(self.tokenizer.eos_token_ids, mc.max_position_embeddings, send)
+        self.output = OutputProcessor(self.tokenizer.eos_token_ids, self.max_context, send)
         self.steps = 0
         self.generated_tokens = 0
 
@@ -105,7 +110,8 @@ class EngineLoop:
 
     @property
     def max_context(self) -> int:
-        return self.model.config.max_position_embeddings
+        """Positions a sequence may use: ``context_length``, or the model's trained context."""
+        return self.config.context_length or self.model.config.max_position_embeddings
 
     @property
     def capacity_tokens(self) -> int:
@@ -175,7 +181,7 @@ class EngineLoop:
     def _policy(self, params, prompt_len: int):
         """The request's long-context policy for this pool's pages (checked by the client)."""
         return resolve_policy(params.kv_policy, params.kv_budget, params.kv_compress_at, self.config.page_size,
-                              prompt_len)  # fmt: skip
+                              prompt_len, params.kv_rerotate, self.max_context)  # fmt: skip
 
     def _end(self, reqs: list[Request], reason: str, error: str | None = None, flush: bool = True) -> None:
         """The one way a request ends (length, stop, abort, error): take ``reqs`` out of
@@ -208,7 +214,9 @@ class EngineLoop:
             mass = {i: m.cpu().numpy() for (i, _), m in zip(batch.observe, mass)}
         else:
             mass = None
-        sched.advance(plan, mass)
+        failed = sched.advance(plan, mass)
+        for req, error in failed:
+            self._end([req], "error", error)
         self.steps += 1
         if prompt_lp:
             ends = batch.qo_indptr[1:].tolist()
@@ -216,7 +224,7 @@ class EngineLoop:
                 if s in prompt_lp:
                     self.output.prompt_logprobs(s.req, s.start, logits[end - s.count : end])
             logits = logits[torch.tensor(ends, device=logits.device) - 1]
-        sampling = [i for i, s in enumerate(plan) if s.samples]
+        sampling = [i for i, s in enumerate(plan) if s.samples and not any(s.req is r for r, _ in failed)]
         if not sampling:
             return
         kept = []

@@ -100,7 +100,8 @@ class OutputProcessor:
         cut = bool(params.stop) and cut_at_stop(req, before)
         if cut:
             reason = "stop"
-        elif reason is None and (len(req.output_ids) >= params.max_new_tokens or len(req.tokens) >= self.max_context):
+        elif reason is None and (len(req.output_ids) >= params.max_new_tokens
+                                   or (len(req.tokens) >= self.max_context and not params.kv_rerotate)):
             reason = "length"
         if reason is None:
             self.emit(req, hold=max(map(len, params.stop), default=1) - 1)

@@ -72,7 +72,9 @@ class SamplingParams:
     ``kv_policy`` (window, streaming, h2o, snapkv, keydiff) with ``kv_budget`` (tokens
     kept, an int, or a ratio in (0, 1) of the context) bounds the request's KV by
     dropping pages (``radixkv.cache.compress``); ``kv_compress_at``: prompt tokens of
-    context compressed once after their prefill (a ratio's default: the whole prompt).
+    context compressed once after their prefill (a ratio's default: the whole prompt);
+    ``kv_rerotate`` (a decode-time token budget only): compressions move the kept pages
+    to consecutive positions, so the sequence may run past the model's context.
 
     Every field is checked on construction; a bad value raises ``ValueError`` naming
     the field and the allowed range.
@@ -99,6 +101,7 @@ class SamplingParams:
     kv_policy: str | None = None
     kv_budget: int | float | None = None
     kv_compress_at: int | None = None
+    kv_rerotate: bool = False
 
     def __post_init__(self) -> None:
         setf = object.__setattr__
@@ -131,7 +134,7 @@ class SamplingParams:
         if self.prompt_logprobs_from is not None:
             check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
         check_bool("skip_special_tokens", self.skip_special_tokens)
-        check_policy(self.kv_policy, self.kv_budget, self.kv_compress_at)
+        check_policy(self.kv_policy, self.kv_budget, self.kv_compress_at, self.kv_rerotate)
         if self.regex is not None:
             from radixkv.engine.constrain import check_regex
 

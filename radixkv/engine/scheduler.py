@@ -164,19 +164,24 @@ class Scheduler:
     def build_batch(self, plan: list[ScheduledSeq], device) -> ForwardBatch:
         """The step's batch. A sequence that dropped pages (long-context policy) has
         fewer KV entries than tokens: its new tokens keep their positions in the
-        sequence, and their KV goes after the entries it kept."""
+        sequence (with ``kv_rerotate``: positions are KV indices), and their KV goes
+        after the entries it kept."""
         seqs = []
         for s in plan:
             kv = s.req.kv
-            positions = range(s.start, s.start + s.count) if kv.dropped else None
+            shift = kv.position_shift
+            positions = range(s.start - shift, s.start + s.count - shift) if kv.dropped != shift else None
             seqs.append(SeqInput(s.req.tokens[s.start : s.start + s.count], s.start - kv.dropped, kv.pages, positions,
                                  self.kv.observe_from(kv, s.start, s.count)))  # fmt: skip
         return ForwardBatch.build(seqs, self.page_size, device)
 
-    def advance(self, plan: list[ScheduledSeq], mass: dict[int, object] | None = None) -> None:
+    def advance(self, plan: list[ScheduledSeq], mass: dict[int, object] | None = None) -> list:
         """Record what the step computed; publish finished prefill chunks into the cache;
         add observed attention mass (``mass``: plan index -> per-KV-entry array) to the
-        policies' scores, and compress the sequences that reached a point."""
+        policies' scores, and compress the sequences that reached a point. Returns the
+        requests whose compression failed (``kv_rerotate`` without room), with the
+        error: they hold no memory, and the caller ends them."""
+        failed = []  # (request, error)
         for i, s in enumerate(plan):
             kv = s.req.kv
             self.kv.computed(kv, s.start + s.count)
@@ -185,7 +190,11 @@ class Scheduler:
             if s.count > 1:  # a prefill chunk, not a decode step
                 self.kv.commit(kv, s.req.tokens)
             if self.kv.at_point(kv):
-                self.kv.compress(kv, s.req.tokens)
+                try:
+                    self.kv.compress(kv, s.req.tokens)
+                except MemoryError as e:
+                    failed.append((s.req, str(e)))
+        return failed
 
     def requests(self) -> list[Request]:
         """Every request it holds, running then waiting. Does not mutate."""

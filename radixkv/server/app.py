@@ -311,9 +311,9 @@ class Server:
             raise P.ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                              "model", code="model_not_found")  # fmt: skip
 
-    async def _prompt_ids(self, prompt, param: str, bounded: bool = False) -> list[int]:
+    async def _prompt_ids(self, prompt, param: str, bounded: bool = False, unbounded: bool = False) -> list[int]:
         try:
-            return await asyncio.to_thread(self.engine.prompt_ids, prompt, bounded)
+            return await asyncio.to_thread(self.engine.prompt_ids, prompt, bounded, unbounded)
         except (ValueError, TypeError) as e:
             raise P.ApiError(400, str(e), param) from None
 
@@ -325,9 +325,13 @@ class Server:
         except FieldError as e:
             raise P.ApiError(400, str(e), prefix + e.field) from None
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, param: str, unbounded: bool = False) -> int:
         """The output budget: ``requested`` (None: the rest of the context), checked
-        against what the context leaves after the prompt."""
+        against what the context leaves after the prompt. ``unbounded`` (kv_rerotate):
+        positions stay within the context whatever the length, so ``requested`` stands
+        (None: one context's worth)."""
+        if unbounded:
+            return self.engine.max_context if requested is None else requested
         room = self.engine.max_context - prompt_len
         if requested is None:
             return room
@@ -400,9 +404,10 @@ class Server:
         self._check_model(req.model)
         prompts = P.prompts(req)
         self._check_fanout(len(prompts), req.n)
-        ids = [await self._prompt_ids(p, "prompt", req.kv_policy is not None) for p in prompts]
+        ids = [await self._prompt_ids(p, "prompt", req.kv_policy is not None, req.kv_rerotate is True) for p in prompts]
         fields = P.openai_fields(req)
-        fields["max_new_tokens"] = self._max_tokens(req.max_tokens, max(map(len, ids)), "max_tokens")
+        fields["max_new_tokens"] = self._max_tokens(req.max_tokens, max(map(len, ids)), "max_tokens",
+                                                    req.kv_rerotate is True)  # fmt: skip
         if req.logprobs is not None:
             fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
         params = P.sampling_params(fields, P.OPENAI_NAMES)
@@ -484,12 +489,12 @@ class Server:
         self._check_model(req.model)
         self._check_fanout(1, req.n)
         ids = await asyncio.to_thread(self._render, req, True, True)  # a long chat or tool schema: off the loop
-        ids = await self._prompt_ids(ids, "messages", req.kv_policy is not None)
+        ids = await self._prompt_ids(ids, "messages", req.kv_policy is not None, req.kv_rerotate is True)
         fields = P.openai_fields(req)
         limit, param = req.max_completion_tokens, "max_completion_tokens"
         if limit is None:
             limit, param = req.max_tokens, "max_tokens"
-        fields["max_new_tokens"] = self._max_tokens(limit, len(ids), param)
+        fields["max_new_tokens"] = self._max_tokens(limit, len(ids), param, req.kv_rerotate is True)
         fields["logprobs"] = req.logprobs
         if req.top_logprobs is not None:
             fields["top_logprobs"] = req.top_logprobs
@@ -550,12 +555,13 @@ class Server:
             raise P.ApiError(400, "give exactly one of text and input_ids", "text")
         param = "text" if req.text is not None else "input_ids"
         bounded = req.sampling_params.get("kv_policy") is not None
-        ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param, bounded)
+        unbounded = req.sampling_params.get("kv_rerotate") is True
+        ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param, bounded, unbounded)
         fields = dict(req.sampling_params)
         params = P.sampling_params(fields, prefix="sampling_params.")
         self._check_policy(params, [ids], "sampling_params.")
         self._check_fanout(1, params.n)
-        self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens")
+        self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens", params.kv_rerotate)
         ns = self._namespace(http, req.cache_salt)
         (constraint,) = await self._constraints(params, 1)
         if req.stream:

@@ -52,7 +52,7 @@ class StreamOptions(Struct):
 class _Sampling(Struct, kw_only=True):
     """Fields every OpenAI-style request shares, with vLLM's and SGLang's extensions
     (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, cache_salt, regex), and
-    radixkv's long-context policy (kv_policy, kv_budget, kv_compress_at)."""
+    radixkv's long-context policy (kv_policy, kv_budget, kv_compress_at, kv_rerotate)."""
 
     model: str
     temperature: float | None = None
@@ -76,6 +76,7 @@ class _Sampling(Struct, kw_only=True):
     kv_policy: str | None = None  # long-context eviction (radixkv.cache.compress)
     kv_budget: Union[int, float, None] = None  # tokens kept, or a ratio in (0, 1)
     kv_compress_at: int | None = None  # prompt tokens compressed once after their prefill
+    kv_rerotate: bool | None = None  # positions within the cache: the request may run past the context
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -196,7 +197,7 @@ def openai_fields(req: _Sampling) -> dict:
         fields["stop"] = req.stop
     if req.regex is not None:
         fields["regex"] = req.regex
-    for name in ("kv_policy", "kv_budget", "kv_compress_at"):
+    for name in ("kv_policy", "kv_budget", "kv_compress_at", "kv_rerotate"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)
     return fields

@@ -44,6 +44,8 @@ HELP = {
     "chunked_prefill_size": "longest prefill chunk in tokens; 0 prefills whole prompts",
     "max_batch_tokens": "token budget of one engine step (prefill chunks + decodes)",
     "max_running": "most requests in the running batch",
+    "context_length": "tokens a sequence may span (prompt and output); default the model's trained context, at most "
+                      "that (a kv_rerotate request bounds positions instead and may run past it)",
     "debug": "check pool and tree integrity whenever the engine goes idle",
     "host": "address to bind; loopback unless you mean to expose the server",
     "port": "TCP port",
