@@ -15,7 +15,6 @@ One iteration: drain every command (add, abort, queries), then run one step:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
@@ -77,8 +76,7 @@ class EngineLoop:
         if cfg.context_length is not None and cfg.context_length > mc.max_position_embeddings:
             raise ValueError(f"context_length {cfg.context_length} is past the model's trained context "
                              f"({mc.max_position_embeddings} positions)")  # fmt: skip
-        rerotate = functools.partial(rerotate_pages, self.pool, mc.inv_freq())
-        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, rerotate)
+        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, self._rerotate)
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size)  # fmt: skip
         self.sampler = Sampler()
@@ -86,6 +84,11 @@ class EngineLoop:
         self.output = OutputProcessor(self.tokenizer.eos_token_ids, self.max_context, send)
         self.steps = 0
         self.generated_tokens = 0
+
+    def _rerotate(self, src, dst, shifts) -> None:
+        """The manager's hook for kv_rerotate: moves kept keys to their positions within
+        the cache with this model's rotary frequencies."""
+        rerotate_pages(self.pool, self.model.config.inv_freq(), src, dst, shifts)
 
     def _tiers(self) -> KVTiers:
         """The tiers below the pool (host, store), keyed by this model's weights and
