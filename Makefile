@@ -19,8 +19,9 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/radixkv demo
 
+# Two workers (pytest-xdist), one per core, each test file in one worker (its model fixtures load once).
 test: venv
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 bench: venv
 	$(PY) benchmarks/bench_radix.py

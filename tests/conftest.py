@@ -10,6 +10,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs one worker per core) each worker, and each server
+# process it starts, computes on one thread: two workers of two threads on two cores
+# would fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(autouse=True)
 def engine_integrity_after_each_test(request):
