@@ -24,6 +24,11 @@ question (the first computes the document and compresses it; the others read its
 view), the view's pages against the document's, and every answer against a standalone
 run (an engine without a prefix cache: the same compression, nothing shared).
 
+Part ``rerotate`` (not in the default parts): perplexity of 12k tokens of licence text
+read in buckets of 1024, ``streaming`` at a 2048-token budget with ``kv_rerotate``
+(positions within the cache, so it reads past the trained context of 8192), against
+the full cache and ``streaming`` at original positions on the first 8191 tokens.
+
 Part ``chat``: a 30-turn chat (each turn: a licence paragraph to summarize, 40 output
 tokens, ignore_eos; each prompt extends the last by its answer, token for token) under
 ``streaming`` at a 2048-token budget on a pool smaller than the conversation: per turn
@@ -282,6 +287,37 @@ def part_chat(args) -> dict:
             "max_state_pages": max((t["state_pages"] or 0) for t in turns)}  # fmt: skip
 
 
+# -- part rerotate -----------------------------------------------------------------------------
+
+
+def part_rerotate(args) -> dict:
+    """Perplexity of long text read token by token in buckets of 1024: the full cache and
+    ``streaming`` at the budget with original positions up to the trained context, and
+    ``streaming`` with ``kv_rerotate`` (positions within the cache) past it."""
+    budget, total, bucket = args.rerotate_budget, args.rerotate_tokens, 1024
+    runs = {}
+    with Engine(kv_cache_tokens=MAX_POSITIONS + 512, page_size=16) as engine:
+        ids = text_ids(engine)[:total]
+        inside = ids[: MAX_POSITIONS - 1]
+        stream = dict(kv_policy="streaming", kv_budget=budget)
+        for name, prompt, kw in (("full", inside, {}), ("streaming", inside, stream),
+                                 ("streaming_rerotate", ids, {**stream, "kv_rerotate": True})):  # fmt: skip
+            engine.flush_cache()
+            t0 = time.perf_counter()
+            out = engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs_from=1,
+                                                           **kw))[0]  # fmt: skip
+            if out.error:
+                raise RuntimeError(out.error)
+            lps = out.prompt_logprobs[1:]
+            runs[name] = {"tokens": len(prompt), "wall_s": time.perf_counter() - t0,
+                          "bucket_ppl": [math.exp(-statistics.mean(lps[i : i + bucket]))
+                                         for i in range(0, len(lps) - bucket + 1, bucket)]}  # fmt: skip
+            print(f"rerotate {name}: {len(prompt)} tokens, buckets " +
+                  " ".join(f"{x:.2f}" for x in runs[name]["bucket_ppl"]), flush=True)  # fmt: skip
+        engine.check_integrity()
+    return {"budget": budget, "bucket": bucket, "max_positions": MAX_POSITIONS, "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["ppl", "passkey", "askmany", "chat"])
@@ -296,6 +332,8 @@ def main() -> None:
     ap.add_argument("--passkey-keys", type=int, default=3)
     ap.add_argument("--passkey-kept", type=float, default=0.25)
     ap.add_argument("--askmany-policy", default="snapkv", choices=POLICIES)
+    ap.add_argument("--rerotate-budget", type=int, default=2048)
+    ap.add_argument("--rerotate-tokens", type=int, default=12288)
     ap.add_argument("--chat-turns", type=int, default=30)
     ap.add_argument("--chat-budget", type=int, default=2048)
     ap.add_argument("--chat-pool", type=int, default=3072)
@@ -332,6 +370,9 @@ def main() -> None:
               f"max {a['ttft_rest_max_s']:.3f}s ({a['rest_share_of_first_max']:.1%} of the first); view pages "
               f"{a['view_pages']} of {a['doc_pages']}; identical to standalone: {sum(a['identical_to_standalone'])}"
               f"/{len(QUESTIONS)}")  # fmt: skip
+        save()
+    if "rerotate" in args.parts:
+        result["rerotate"] = part_rerotate(args)
         save()
     if "chat" in args.parts:
         result["chat"] = c = part_chat(args)
