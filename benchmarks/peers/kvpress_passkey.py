@@ -101,6 +101,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
+    models = {}
     for length in args.lengths:
         for depth in args.depths:
             for key in keys:
@@ -111,7 +112,9 @@ def main() -> None:
                     if (length, depth, key, name) in done:
                         continue
                     make, attn = PRESSES[name]
-                    model = load_model(gguf, attn)
+                    if attn not in models:  # one model per attention implementation (a load is ~20 s)
+                        models[attn] = load_model(gguf, attn)
+                    model = models[attn]
                     press = None if make is None else make(1.0 - args.kept)
                     gen, wall = answer(model, press, context, question, args.new_tokens)
                     text = tok.decode(gen, skip_special_tokens=True)
