@@ -65,6 +65,7 @@ def test_a_regex_too_large_for_the_limits_is_refused_off_the_event_loop(server, 
     before = rss_mb(server)
     pattern = "(" + "|".join(f"[a-{c}]{{3999}}" for c in string.ascii_lowercase[1:]) + ")"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.perf_counter()
         pending = pool.submit(completion, http, regex=pattern)
         worst = 0.0
         while not pending.done():
@@ -72,8 +73,11 @@ def test_a_regex_too_large_for_the_limits_is_refused_off_the_event_loop(server, 
             assert http.get("/health").status_code == 200
             worst = max(worst, time.perf_counter() - t0)
         r = pending.result()
+        took = time.perf_counter() - start
     assert r.status_code == 400 and r.json()["error"]["param"] == "regex", r.text
-    assert worst < 1.0
+    # A blocked event loop would hold /health for about the whole refusal; on a machine
+    # busy with other work everything is slower, so the bound scales with the refusal.
+    assert worst < max(1.0, took / 3), (worst, took)
     assert rss_mb(server) - before < 200
 
 
