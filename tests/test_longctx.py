@@ -10,8 +10,7 @@ import pytest
 from radixkv import Engine, SamplingParams
 from radixkv.cache import PageAllocator, RadixCache
 from radixkv.cache.compress import (
-    OBSERVE_TOKENS, POLICIES, SINK_TOKENS, ViewNamespace, keydiff_scores, rerotate_pages, resolve_policy,
-    select_pages,
+    OBSERVE_TOKENS, POLICIES, SINK_TOKENS, ViewNamespace, keydiff_scores, resolve_policy, select_pages,
 )  # fmt: skip
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.errors import FieldError
@@ -105,7 +104,7 @@ def test_rerotate_pages_moves_keys_to_their_new_positions(kv_dtype):
     import torch
 
     from radixkv.cache.pool import KVPool, PoolConfig
-    from radixkv.model.llama import _apply_rope
+    from radixkv.model.llama import _apply_rope, rerotate_pages
 
     ps, d = 4, 8
     pool = KVPool(PoolConfig(num_layers=2, num_kv_heads=2, head_dim=d, page_size=ps, kv_dtype=kv_dtype, num_pages=8))

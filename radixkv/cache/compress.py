@@ -40,7 +40,8 @@ Positions. Kept keys keep the rotary positions they were computed at, so a seque
 positions grow with its tokens and end at the model's trained context. With
 ``kv_rerotate`` (decode-time budgets only) a compression also moves the kept pages to
 consecutive positions from 0 (StreamingLLM's positions within the cache): each page that
-moves gets its keys rotated by its shift (``rerotate_pages``), in place where the
+moves gets its keys rotated by its shift (the engine's hook,
+``radixkv.model.llama.rerotate_pages``), in place where the
 sequence holds the page alone, else into a copy, so the tree's pages never change. Its
 positions then equal its KV indices and stay below ``budget + interval``: a chat or a
 generation runs past the trained context. A view's key names the option, so pages of
@@ -196,34 +197,6 @@ def resolve_policy(name, budget, compress_at, page_size: int, prompt_len: int, r
         raise FieldError("kv_budget", f"with kv_rerotate the positions reach kv_budget + {interval} (the interval) - 1 = "
                          f"{spec.max_position()}: the model's context is {max_positions}")  # fmt: skip
     return spec
-
-
-def rerotate_pages(pool, inv_freq, src: np.ndarray, dst: np.ndarray, shifts: np.ndarray) -> None:
-    """Write into pages ``dst`` the KV of pages ``src`` with each page's keys moved
-    ``shifts[i]`` positions back (rotary: ``R(p) k`` becomes ``R(p - shift) k``, one
-    rotation by ``-shift * inv_freq`` per channel pair, the rotate-half layout), every
-    layer; values unchanged. ``dst[i]`` may equal ``src[i]`` (in place). ``pool`` is a
-    ``KVPool`` (quantized formats are dequantized, rotated, quantized again);
-    ``inv_freq``: the model's rotary frequencies ``[head_dim / 2]``."""
-    import torch
-
-    if not len(src):
-        return
-    ps = pool.page_size
-    device = pool.config.device
-    inv = inv_freq.to(device=device, dtype=torch.float64)
-    angle = -torch.as_tensor(np.asarray(shifts, dtype=np.float64), device=device)[:, None] * inv[None, :]
-    angle = torch.cat([angle, angle], -1).repeat_interleave(ps, 0)[:, None, :]  # [pages * ps, 1, D]
-    cos, sin = angle.cos().float(), angle.sin().float()
-    take = lambda pages: torch.from_numpy(  # noqa: E731
-        (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)).to(device)
-    src_slots, dst_slots = take(src), take(dst)
-    for layer in range(pool.config.num_layers):
-        k, v = pool.read_kv(layer, src_slots)
-        k = k.float()
-        half = k.shape[-1] // 2
-        k = k * cos + torch.cat([-k[..., half:], k[..., :half]], -1) * sin
-        pool.store_kv(layer, k, v, dst_slots)
 
 
 def select_pages(spec: KVPolicySpec, num_pages: int, keep: int, scores: np.ndarray | None) -> np.ndarray:

@@ -340,7 +340,7 @@ class KVCacheManager:
         """Whether ``seq`` has just computed up to its next point (then ``compress``)."""
         return seq.policy is not None and seq.computed == self.next_point(seq)
 
-    def compress(self, seq: SeqKV, tokens, make_room: Callable[[], bool] | None = None) -> int:
+    def compress(self, seq: SeqKV, tokens) -> int:
         """Compress ``seq`` at its point (``at_point``): publish what it computed, keep
         its policy's pages and drop the rest from the table; with the prefix cache the
         kept pages become a view (an equal view already stored is taken instead) and the
@@ -350,7 +350,7 @@ class KVCacheManager:
             ->     |== kept: the new view (locked) ==|       dropped pages stay cached, unlocked
 
         With ``kv_rerotate`` the kept pages that move are rotated to their new positions
-        first (``_move_kept``; ``make_room`` as in ``reserve``, for copies).
+        first (``_move_kept``).
 
         Returns the pages dropped from the table. Mutates ``seq``, the tree, the views
         and (without a tree) the pool. Raises ValueError away from a point, and
@@ -386,7 +386,7 @@ class KVCacheManager:
             seq.view, seq.node = None, None
             if held is not None:
                 try:
-                    kept = held = self._move_kept(held, idx, make_room)
+                    kept = held = self._move_kept(held, idx)
                 except MemoryError:
                     self._set(seq, _EMPTY, None, 0)
                     raise
@@ -401,25 +401,21 @@ class KVCacheManager:
         seq.scores = kept_scores
         return n - len(idx)
 
-    def _move_kept(self, kept: np.ndarray, idx: np.ndarray, make_room: Callable[[], bool] | None) -> np.ndarray:
+    def _move_kept(self, kept: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """``kv_rerotate``: kept page ``i`` (table index ``idx[i]``) goes to position
         ``i * page_size``. A page that moves is rotated in place when the caller's
         reference (taken on every kept page) is its only one, else into a new page;
-        unlocked memory is evicted first (LRU), which may leave kept pages to the caller
-        alone, then ``make_room`` is called. Returns the kept pages (the caller holds one
-        reference on each). Mutates the pool, the tree, the views; MemoryError when
-        copies find no room."""
+        unlocked memory is evicted (LRU) while copies find no room, which frees pages or
+        leaves kept pages to the caller alone (either helps). Returns the kept pages (the
+        caller holds one reference on each). Mutates the pool, the tree, the views;
+        MemoryError when eviction can do no more."""
         moved = np.flatnonzero(idx != np.arange(len(idx)))
-        while True:
+        shared = moved[self.pool.refcount(kept[moved]) > 1]
+        while len(shared) > self.pool.num_free():
+            before = (len(shared), self.pool.num_free())
+            self._evict(len(shared) - self.pool.num_free())
             shared = moved[self.pool.refcount(kept[moved]) > 1]
-            short = len(shared) - self.pool.num_free()
-            if short <= 0:
-                break
-            state = (len(shared), self.pool.num_free())
-            self._evict(short)  # frees pages, or leaves kept pages to us alone: either helps
-            if (int((self.pool.refcount(kept[moved]) > 1).sum()), self.pool.num_free()) != state:
-                continue
-            if make_room is None or not make_room():
+            if (len(shared), self.pool.num_free()) == before:
                 self.pool.release(kept)  # at a point the sequence owns no page: it ends empty
                 raise MemoryError(f"kv_rerotate: no room to copy {len(shared)} kept pages that other running "
                                   "requests share")  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from radixkv.cache.compress import rerotate_pages, resolve_policy
+from radixkv.cache.compress import resolve_policy
 from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import FLUSH_TIERS, KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
@@ -38,6 +38,7 @@ from radixkv.engine.request import Request
 from radixkv.engine.sampling import Sampler, SamplerState
 from radixkv.engine.scheduler import Scheduler
 from radixkv.kernels import get_backend
+from radixkv.model.llama import rerotate_pages
 from radixkv.model.loader import as_dtype, load_model
 from radixkv.model.registry import resolve_model
 from radixkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -227,7 +228,7 @@ class EngineLoop:
                 if s in prompt_lp:
                     self.output.prompt_logprobs(s.req, s.start, logits[end - s.count : end])
             logits = logits[torch.tensor(ends, device=logits.device) - 1]
-        sampling = [i for i, s in enumerate(plan) if s.samples and not any(s.req is r for r, _ in failed)]
+        sampling = [i for i, s in enumerate(plan) if s.samples and not s.req.finished]  # not ended above
         if not sampling:
             return
         kept = []

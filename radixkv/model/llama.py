@@ -157,3 +157,23 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def rerotate_pages(pool: KVPool, inv_freq: torch.Tensor, src, dst, shifts) -> None:
+    """Write into pages ``dst`` the KV of pages ``src`` with each page's keys moved
+    ``shifts[i]`` positions back (``R(p) k`` becomes ``R(p - shift) k``: RoPE by
+    ``-shift``), every layer; values unchanged. ``dst[i]`` may equal ``src[i]`` (in
+    place). Quantized formats are read dequantized and stored quantized again.
+    ``inv_freq``: the model's rotary frequencies ``[head_dim / 2]``. The hook of
+    ``kv_rerotate`` (``radixkv.cache.compress``)."""
+    if not len(src):
+        return
+    ps, device = pool.page_size, pool.config.device
+    shift = torch.as_tensor(shifts, dtype=torch.float64, device=device).repeat_interleave(ps)  # per token
+    angle = -shift[:, None] * inv_freq.to(device=device, dtype=torch.float64)[None, :]
+    emb = torch.cat([angle, angle], -1)[:, None, :]  # [pages * ps, 1, D]
+    cos, sin = emb.cos().float(), emb.sin().float()
+    src_slots, dst_slots = pool.slots(src, 0, len(src) * ps), pool.slots(dst, 0, len(dst) * ps)
+    for layer in range(pool.config.num_layers):
+        k, v = pool.read_kv(layer, src_slots)
+        pool.store_kv(layer, _apply_rope(k.float(), cos, sin), v, dst_slots)
