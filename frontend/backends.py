@@ -1,22 +1,33 @@
-"""Where programs run: an in-process Engine, or a `radixkv serve` process over HTTP.
+"""Where programs run: an in-process Engine, a `radixkv serve` process over HTTP, or any
+OpenAI-compatible server.
 
 A backend is the frontend's whole view of the runtime: tokenize text, render a chat,
 generate for token-id prompts (with prompt logprobs when ``select`` scores choices),
 stream, and say which token ids end a sequence. Prompts go in as token ids, so what
 the runtime caches is exactly what the program built.
+
+``OpenAIBackend`` is the exception (``token_level = False``): it speaks the OpenAI API,
+so it sends text, either the program's messages to /chat/completions or its text to
+/completions, and the server tokenizes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
 
 
 class BackendError(RuntimeError):
-    """The runtime could not be reached or refused a request."""
+    """The runtime could not be reached or refused a request. ``status`` is the HTTP
+    status and ``param`` the request field the server blamed, where known."""
+
+    def __init__(self, message: str, status: int | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
 
 
 @dataclass(frozen=True)
@@ -45,11 +56,24 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TextScore:
+    """A text-level backend's logprobs for a continuation's tokens after a prompt: the
+    server's tokens (their text) and the logprob of each (None: no context before it)."""
+
+    tokens: list[str]
+    logprobs: list[float | None]
+    result: CallResult
+
+
 class Backend:
-    """What a program needs from the runtime. ``params`` are SamplingParams fields by name."""
+    """What a program needs from the runtime. ``params`` are SamplingParams fields by name.
+    ``token_level``: prompts are token ids the program builds (False: text, see
+    ``OpenAIBackend``)."""
 
     eos_token_ids: frozenset[int]
     max_context: int
+    token_level: bool = True
 
     def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token text in it is the special token, or with
@@ -125,7 +149,7 @@ class EngineBackend(Backend):
 
 def _engine_result(out) -> CallResult:
     if out.error is not None:
-        raise BackendError(f"generation failed: {out.error}")
+        raise BackendError(f"generation failed: {out.error}", param=getattr(out, "error_param", None))
     ttft = out.metrics.ttft if out.metrics is not None else None
     return CallResult(out.text, out.token_ids, out.prompt_tokens, out.cached_tokens, out.finish_reason,
                       out.prompt_logprobs, ttft)  # fmt: skip
@@ -203,7 +227,9 @@ class RuntimeEndpoint(Backend):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
-                        raise BackendError(event["error"]["message"])
+                        error = event["error"]
+                        raise BackendError(f"the runtime failed the stream{_on(error.get('param'))}: "
+                                           f"{error.get('message')}", param=error.get("param"))  # fmt: skip
                     if "meta_info" in event:
                         yield _http_result(event)
                     else:
@@ -216,14 +242,197 @@ class RuntimeEndpoint(Backend):
         self._http.close()
 
 
-def _checked(r) -> dict:
-    if r.status_code != 200:
+class OpenAIBackend(Backend):
+    """Any OpenAI-compatible server: ``OpenAIBackend("http://127.0.0.1:30000/v1",
+    model=None, api_key=None)`` (radixkv serve, vLLM, SGLang, OpenAI). ``base_url`` ends
+    where the API's paths begin (``.../v1``, as the ``openai`` client takes it);
+    ``model`` defaults to the first the server lists. ``extra_body`` is added to every
+    request (e.g. ``{"cache_salt": "tenant-1"}`` for radixkv).
+
+    A program that uses roles generates through /chat/completions with its finished
+    messages, so a gen must be the first thing in an assistant message (the API cannot
+    continue a message); a program without roles generates through /completions with its
+    text. Sampling fields keep their names (``max_new_tokens`` is ``max_tokens``, default
+    128 as in the other backends); those outside the OpenAI API (top_k, min_p,
+    repetition_penalty, regex, kv_*, ...) are sent as the extensions radixkv, vLLM and
+    SGLang read; ``json_schema`` is sent as ``response_format`` to /chat/completions and
+    as SGLang's ``json_schema`` field to /completions. ``select`` needs the
+    logprobs of given text: over /completions with ``echo`` (OpenAI's legacy completions
+    and vLLM return them, radixkv's /v1/completions does not), never over chat.
+    Text is what the server returns; token ids stay on the server (``token_level`` False).
+    """
+
+    token_level = False
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600.0,
+                 max_parallel: int = 64, extra_body: dict | None = None):  # fmt: skip
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="radixkv-openai")
+        self.extra_body = dict(extra_body or {})
+        self.eos_token_ids = frozenset()
+        self.max_context = None
         try:
-            message = r.json()["error"]["message"]
+            r = self._http.get("/models")
+        except httpx.HTTPError as e:
+            raise BackendError(f"cannot reach the OpenAI-compatible server at {self.base_url}: {e}") from None
+        if model is None:
+            models = _checked(r, "the server").get("data") or []
+            if not models:
+                raise BackendError(f"the server at {self.base_url} lists no models; pass model=...")
+            model = models[0]["id"]
+        self.model = model
+
+    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        raise BackendError("OpenAIBackend sends text: the OpenAI API has no tokenizer endpoint")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """A plain rendering for ``s.text()`` (``role: content`` lines); the server
+        applies its own chat template to the messages it is sent."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + "assistant: " if add_generation_prompt else text
+
+    def _call(self, path: str, body: dict) -> dict:
+        import httpx
+
+        try:
+            r = self._http.post(path, json=body)
+        except httpx.HTTPError as e:
+            raise BackendError(f"cannot reach the OpenAI-compatible server at {self.base_url}: {e}") from None
+        return _checked(r, "the server")
+
+    def _body(self, prompt: str | list[dict], params: dict, stream: bool = False) -> tuple[str, dict]:
+        chat = not isinstance(prompt, str)
+        body = {**self.extra_body, "model": self.model, ("messages" if chat else "prompt"): prompt,
+                "max_tokens": 128}  # fmt: skip
+        for field, value in params.items():
+            if field == "max_new_tokens":
+                body["max_tokens"] = value
+            elif field == "json_schema" and chat:  # the API's own way; /completions has none: SGLang's field
+                schema = json.loads(value) if isinstance(value, str) else value
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+            elif field == "prompt_logprobs_from":
+                raise BackendError("OpenAIBackend cannot return prompt logprobs for token ids")
+            else:
+                body[field] = value
+        if stream:
+            body["stream"], body["stream_options"] = True, {"include_usage": True}
+        return ("/chat/completions" if chat else "/completions"), body
+
+    def generate(self, prompts: list, params: dict) -> list[CallResult]:
+        """One request per prompt: a list of messages (chat) or a str (completion)."""
+        futures = []
+        for p in prompts:
+            path, body = self._body(p, params)
+            futures.append(self._pool.submit(self._call, path, body))
+        return [_openai_result(f.result(), not isinstance(p, str)) for f, p in zip(futures, prompts)]
+
+    def stream(self, prompt, params: dict) -> Iterator[Delta | CallResult]:
+        import httpx
+
+        path, body = self._body(prompt, params, stream=True)
+        chat = not isinstance(prompt, str)
+        t0 = time.perf_counter()
+        text, finish, usage, ttft = [], None, {}, None
+        try:
+            with self._http.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    _checked(r, "the server")
+                for line in r.iter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        error = event["error"]
+                        raise BackendError(f"the server failed the stream{_on(error.get('param'))}: "
+                                           f"{error.get('message')}", param=error.get("param"))  # fmt: skip
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or []:
+                        piece = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
+                        finish = choice.get("finish_reason") or finish
+                        if piece:
+                            ttft = time.perf_counter() - t0 if ttft is None else ttft
+                            text.append(piece)
+                            yield Delta(piece)
+        except httpx.HTTPError as e:
+            raise BackendError(f"cannot reach the OpenAI-compatible server at {self.base_url}: {e}") from None
+        details = usage.get("prompt_tokens_details") or {}
+        yield CallResult("".join(text), [], usage.get("prompt_tokens", 0), details.get("cached_tokens") or 0, finish,
+                         None, ttft, usage.get("completion_tokens", 0))  # fmt: skip
+
+    def score_text(self, prompt: str, continuations: list[str]) -> list[TextScore]:
+        """The logprobs of each continuation's tokens after ``prompt`` (from the token
+        that holds its first character), from /completions with ``echo`` and
+        ``logprobs``. With an empty prompt, the first token's logprob is None."""
+        futures = []
+        for c in continuations:
+            body = {**self.extra_body, "model": self.model, "prompt": prompt + c, "max_tokens": 1,
+                    "temperature": 0.0, "echo": True, "logprobs": 0}  # fmt: skip
+            futures.append(self._pool.submit(self._call, "/completions", body))
+        return [_echo_score(f.result(), prompt, c, self.base_url) for f, c in zip(futures, continuations)]
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self._http.close()
+
+
+def _openai_result(body: dict, chat: bool) -> CallResult:
+    choice = body["choices"][0]
+    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    usage = body.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return CallResult(text or "", [], usage.get("prompt_tokens", 0), details.get("cached_tokens") or 0,
+                      choice.get("finish_reason"), None, None, usage.get("completion_tokens", 0))  # fmt: skip
+
+
+def _echo_score(body: dict, prompt: str, continuation: str, url: str) -> TextScore:
+    """The continuation's tokens in an echoed completion's logprobs: every token that
+    overlaps ``[len(prompt), len(prompt + continuation))`` by its text offsets.
+
+        text:    |------ prompt ------|--- continuation ---|gen|
+        tokens:  [t0][t1]...     [tk-1][tk][tk+1] ...  [tm] [g]
+                                        ^ first token that ends past the prompt
+    """
+    logprobs = body["choices"][0].get("logprobs") or {}
+    offsets, tokens = logprobs.get("text_offset") or [], logprobs.get("tokens") or []
+    lps = logprobs.get("token_logprobs") or []
+    if not offsets or offsets[0] != 0 or len(tokens) != len(offsets) or len(lps) != len(offsets):
+        raise BackendError(f"the server at {url} returned no logprobs for the prompt (/completions with echo=True and "
+                           f"logprobs); select over the OpenAI API needs them. OpenAI's legacy completions and vLLM "
+                           f"return them, radixkv serve's /v1/completions does not: use RuntimeEndpoint there")  # fmt: skip
+    lo, hi = len(prompt), len(prompt) + len(continuation)
+    ends = [*offsets[1:], max(hi, offsets[-1] + len(tokens[-1]))]
+    picked = [k for k in range(len(tokens)) if offsets[k] < hi and ends[k] > lo]
+    if not picked:
+        raise BackendError(f"the server's echoed tokens do not cover the choice {continuation!r}")
+    usage = body.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    result = CallResult(body["choices"][0].get("text", ""), [], usage.get("prompt_tokens", 0),
+                        details.get("cached_tokens") or 0, body["choices"][0].get("finish_reason"), None, None,
+                        usage.get("completion_tokens", 0))  # fmt: skip
+    return TextScore([tokens[k] for k in picked], [lps[k] for k in picked], result)
+
+
+def _checked(r, who: str = "the runtime") -> dict:
+    """The JSON body of a 200, else a BackendError with the server's message and the
+    field it blamed: ``the runtime answered 400 on sampling_params.regex: ...``."""
+    if r.status_code != 200:
+        param = None
+        try:
+            error = r.json()["error"]
+            message, param = error["message"], error.get("param")
         except (ValueError, KeyError, TypeError):
             message = r.text[:200]
-        raise BackendError(f"the runtime answered {r.status_code}: {message}")
+        raise BackendError(f"{who} answered {r.status_code}{_on(param)}: {message}", r.status_code, param)
     return r.json()
+
+
+def _on(param: str | None) -> str:
+    return f" on {param}" if param else ""
 
 
 def _http_result(body: dict) -> CallResult:

@@ -26,14 +26,18 @@ branches of ``s.fork(n)`` generate side by side.
 
 from __future__ import annotations
 
+import inspect
+import json
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
+from radixkv.frontend.choices import ChoicesDecision, ChoicesSamplingMethod, token_length_normalized
 
 
 class ProgramError(RuntimeError):
@@ -58,6 +62,7 @@ class Gen:
 class Select:
     name: str | None
     choices: tuple[str, ...]
+    choices_method: Any = token_length_normalized  # a ChoicesSamplingMethod, or any callable like one
 
 
 @dataclass(frozen=True)
@@ -72,38 +77,85 @@ GEN_PARAMS = {  # gen() keyword -> SamplingParams field
     "max_tokens": "max_new_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature",
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-    "seed": "seed", "regex": "regex", "kv_policy": "kv_policy", "kv_budget": "kv_budget",
-    "kv_compress_at": "kv_compress_at", "kv_rerotate": "kv_rerotate",
+    "seed": "seed", "regex": "regex", "json_schema": "json_schema", "kv_policy": "kv_policy",
+    "kv_budget": "kv_budget", "kv_compress_at": "kv_compress_at", "kv_rerotate": "kv_rerotate",
 }  # fmt: skip
 
+# ``fn.run(...)`` / ``run_batch(...)`` keywords that set a default for every gen of the
+# program (SamplingParams names, as SGLang's run); constraints stay per gen.
+RUN_DEFAULTS = tuple(f for f in GEN_PARAMS.values() if f not in ("regex", "json_schema"))
 
-def gen(name: str | None = None, max_tokens: int = 128, stop: str | Sequence[str] | None = None,
+
+def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequence[str] | None = None,
         temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
         min_p: float | None = None, frequency_penalty: float | None = None, presence_penalty: float | None = None,
         repetition_penalty: float | None = None, ignore_eos: bool | None = None,
         stop_token_ids: Sequence[int] | None = None, seed: int | None = None, regex: str | None = None,
-        kv_policy: str | None = None, kv_budget: int | float | None = None,
-        kv_compress_at: int | None = None, kv_rerotate: bool | None = None) -> Gen:  # fmt: skip
-    """Generate into the state; ``s[name]`` is the text. Unset options keep the
-    runtime's defaults (SamplingParams). ``regex`` constrains the output to a full
-    match of the pattern (see radixkv.engine.constrain). ``kv_policy`` and ``kv_budget``
-    (and ``kv_compress_at``, prompt tokens of context) bound the KV this generation
-    keeps (see radixkv.cache.compress; ``kv_rerotate``: positions within the cache, so
-    a decode-time budget runs past the model's context); the compressed state is shared through the
-    runtime's cache like any prefix."""
+        json_schema: str | dict | None = None, kv_policy: str | None = None, kv_budget: int | float | None = None,
+        kv_compress_at: int | None = None, kv_rerotate: bool | None = None,
+        choices: Sequence[str] | None = None, choices_method: ChoicesSamplingMethod | None = None) -> Gen | Select:  # fmt: skip
+    """Generate into the state; ``s[name]`` is the text. Unset options take the program's
+    defaults (``fn.run(temperature=..., ...)``), else the runtime's (SamplingParams).
+    ``regex`` constrains the output to a full match of the pattern (see
+    radixkv.engine.constrain); ``json_schema`` (a dict, or a JSON string of one) to a JSON
+    value the schema accepts; at most one of them. With ``choices`` it is
+    ``select(name, choices, choices_method=...)``, as in SGLang. ``kv_policy`` and
+    ``kv_budget`` (and ``kv_compress_at``, prompt tokens of context) bound the KV this
+    generation keeps (see radixkv.cache.compress; ``kv_rerotate``: positions within the
+    cache, so a decode-time budget runs past the model's context); the compressed state
+    is shared through the runtime's cache like any prefix."""
     given = dict(locals())
+    if choices is not None:
+        unused = [kw for kw in GEN_PARAMS if kw != "temperature" and given[kw] is not None]
+        if unused:
+            raise ProgramError(f"gen({name!r}, choices=...) is a select: {', '.join(unused)} do not apply to it")
+        return select(name, choices, temperature=temperature or 0.0,
+                      choices_method=choices_method or token_length_normalized)  # fmt: skip
+    if choices_method is not None:
+        raise ProgramError(f"gen({name!r}): choices_method needs choices=[...]")
     params = {ours: given[kw] for kw, ours in GEN_PARAMS.items() if given[kw] is not None}
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
+    if regex is not None and json_schema is not None:
+        raise ProgramError(f"gen({name!r}): regex and json_schema are two constraints; give one")
+    if json_schema is not None:
+        params["json_schema"] = _schema_text(name, json_schema)
     return Gen(name, params)
 
 
-def select(name: str | None, choices: Sequence[str]) -> Select:
-    """Append the choice the model finds most likely (highest total log-probability of
-    its tokens after the state); ``s[name]`` is the choice."""
-    if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+def _schema_text(name, schema) -> str:
+    """The schema as the JSON string SamplingParams takes; a dict is serialized."""
+    if isinstance(schema, dict):
+        try:
+            return json.dumps(schema)
+        except (TypeError, ValueError) as e:
+            raise ProgramError(f"gen({name!r}): json_schema is not serializable as JSON: {e}") from None
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as e:
+            raise ProgramError(f"gen({name!r}): json_schema is not valid JSON: {e}") from None
+        if not isinstance(parsed, (dict, bool)):
+            raise ProgramError(f"gen({name!r}): json_schema must be a JSON object, got {type(parsed).__name__}")
+        return schema
+    raise ProgramError(f"gen({name!r}): json_schema must be a dict or a JSON string, not {type(schema).__name__}")
+
+
+def select(name: str | None = None, choices: Sequence[str] | None = None, temperature: float = 0.0,
+           choices_method: ChoicesSamplingMethod = token_length_normalized) -> Select:  # fmt: skip
+    """Append the choice that ``choices_method`` picks from the log-probabilities of each
+    choice's tokens after the state (default: the highest mean token logprob; see
+    radixkv.frontend.choices); ``s[name]`` is the choice. Scoring is deterministic:
+    ``temperature`` (SGLang's signature) must be 0."""
+    if choices is None or isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ProgramError("select(choices=...) needs a non-empty list of non-empty strings")
-    return Select(name, tuple(choices))
+    if temperature:
+        raise ProgramError(f"select({name!r}): choices are scored from logprobs, deterministically; "
+                           f"temperature must be 0, got {temperature!r}")  # fmt: skip
+    if not callable(choices_method):
+        raise ProgramError(f"select({name!r}): choices_method must be a choices method such as "
+                           f"token_length_normalized, not {type(choices_method).__name__}")  # fmt: skip
+    return Select(name, tuple(choices), choices_method)
 
 
 def _role(role: str, content) -> Role:
@@ -124,6 +176,22 @@ def user(content="") -> Role:
 
 def assistant(content="") -> Role:
     return _role("assistant", content)
+
+
+def system_begin() -> Role:
+    return Role("system", (), True, False)
+
+
+def system_end() -> Role:
+    return Role("system", (), False, True)
+
+
+def user_begin() -> Role:
+    return Role("user", (), True, False)
+
+
+def user_end() -> Role:
+    return Role("user", (), False, True)
 
 
 def assistant_begin() -> Role:
@@ -222,17 +290,26 @@ class CacheReport:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class _SetVar:
+    name: str
+    value: Any
+
+
 class ProgramState:
     """The state ``s`` a program builds; see the module docstring."""
 
-    def __init__(self, backend: Backend, stream: bool = False, _parent: ProgramState | None = None):
+    def __init__(self, backend: Backend, stream: bool = False, _parent: ProgramState | None = None,
+                 defaults: dict | None = None):  # fmt: skip
         self.backend = backend
+        self.defaults: dict = dict(defaults or {})  # SamplingParams fields every gen starts from (fn.run(...))
         self._markers: ChatMarkers | None = None
         self._segments: list[Segment] = []
         self._messages: list[dict] = []
         self._open_role: str | None = None
         self._open_text: list[str] = []
         self._used_roles = False
+        self._loose_text = False  # text outside any message (no chat request could carry it)
         self.variables: dict[str, Any] = {}
         self.meta: dict[str, dict] = {}
         self.calls: list[CallRecord] = []
@@ -250,8 +327,53 @@ class ProgramState:
     def __iadd__(self, expr) -> ProgramState:
         if not isinstance(expr, (str, Gen, Select, Role)):
             raise ProgramError(f"s += ... takes text, gen(...), select(...) or a role, not {type(expr).__name__}")
-        self._pending.append(self._worker.submit(self._run_op, expr))
+        self._submit(expr)
         return self
+
+    def _submit(self, op) -> None:
+        self._pending.append(self._worker.submit(self._run_op, op))
+
+    def __setitem__(self, name: str, value) -> None:
+        """``s[name] = value`` sets a variable, in order with the operations before it
+        (a later ``gen(name)`` overwrites it). It adds nothing to the prompt."""
+        if not isinstance(name, str):
+            raise ProgramError(f"s[name] = ... takes a str name, not {type(name).__name__}")
+        self._submit(_SetVar(name, value))
+
+    def set_var(self, name: str, value) -> None:
+        self[name] = value
+
+    def get_var(self, name: str):
+        return self[name]
+
+    def __contains__(self, name: str) -> bool:
+        self.sync()
+        return name in self.variables
+
+    def system(self, expr=None):
+        """``s.system(expr)`` adds a system message; ``with s.system():`` opens one that
+        everything added inside the block goes into (as SGLang)."""
+        return self._role_scope("system", expr)
+
+    def user(self, expr=None):
+        """``s.user(expr)``, or ``with s.user():`` (see ``system``)."""
+        return self._role_scope("user", expr)
+
+    def assistant(self, expr=None):
+        """``s.assistant(expr)``, or ``with s.assistant():`` (see ``system``)."""
+        return self._role_scope("assistant", expr)
+
+    def _role_scope(self, role: str, expr):
+        if expr is not None:
+            self._submit(_role(role, expr))
+            return None
+        return self._message_block(role)
+
+    @contextmanager
+    def _message_block(self, role: str):
+        self._submit(Role(role, (), True, False))
+        yield self
+        self._submit(Role(role, (), False, True))  # not after an exception: the message stays unfinished
 
     def _run_op(self, expr) -> None:
         if self._error is not None:
@@ -268,10 +390,12 @@ class ProgramState:
             self._gen(expr)
         elif isinstance(expr, Select):
             self._select(expr)
+        elif isinstance(expr, _SetVar):
+            self.variables[expr.name] = expr.value
         else:
             self._role_op(expr)
 
-    def _append(self, text: str, token_ids: Sequence[int] | None = None) -> None:
+    def _append(self, text: str, token_ids: Sequence[int] | None = None, marker: bool = False) -> None:
         if not text and not token_ids:
             return
         if token_ids is None:
@@ -279,12 +403,17 @@ class ProgramState:
         self._segments.append(Segment(text, tuple(token_ids)))
         if self._open_role is not None:
             self._open_text.append(text)
+        elif not marker:
+            self._loose_text = True
         if self._stream_q is not None and text:
             self._stream_q.put(text)
 
     def _tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Ids of text the program adds: message content (a message is open) with its
-        special-token text as plain text, else prompt text and markers with it special."""
+        special-token text as plain text, else prompt text and markers with it special.
+        A text-level backend (``token_level`` False) has none."""
+        if not self.backend.token_level:
+            return []
         if self._open_role is None:
             return self.backend.tokenize(text, add_special_tokens)
         return self.backend.tokenize(text, add_special_tokens, split_special_tokens=True)
@@ -298,7 +427,7 @@ class ProgramState:
                 raise ProgramError(f"{r.role}(...) while the {self._open_role} message is still open")
             if r.role == "system" and self._used_roles:
                 raise ProgramError("system(...) must be the first message of a program")
-            self._append((m.begin if self._used_roles else m.first)[r.role])
+            self._append((m.begin if self._used_roles else m.first)[r.role], marker=True)
             self._used_roles = True
             self._open_role, self._open_text = r.role, []
         elif self._open_role != r.role:
@@ -309,7 +438,7 @@ class ProgramState:
             content = "".join(self._open_text)
             self._open_role = None
             self._messages.append({"role": r.role, "content": content})
-            self._append(m.end[r.role])
+            self._append(m.end[r.role], marker=True)
 
     def _ids(self) -> list[int]:
         return [t for seg in self._segments for t in seg.token_ids]
@@ -320,42 +449,115 @@ class ProgramState:
             raise ProgramError(f"{what} after the {last} message was closed: generate inside a message, "
                                f"e.g. s += assistant({what.split('(')[0]}(...))")  # fmt: skip
 
+    def _text_prompt(self, what: str) -> str | list[dict]:
+        """What a text-level backend is sent: the finished messages (a chat request) once
+        the program uses roles, else the program's text (a completion request)."""
+        if not self._used_roles:
+            text = "".join(seg.text for seg in self._segments)
+            if not text:
+                raise ProgramError(f"{what} on an empty state: add some text first")
+            return text
+        name = type(self.backend).__name__
+        if self._loose_text:
+            raise ProgramError(f"{what}: the program added text outside any message, which a chat completions "
+                               f"request ({name}) cannot carry; put it inside a message")  # fmt: skip
+        if self._open_role != "assistant" or self._open_text:
+            raise ProgramError(f"{what}: over chat completions ({name}) a gen must be the first thing in an "
+                               f"assistant message, e.g. s += assistant(gen(...)): the API cannot continue a "
+                               f"message that already has text")  # fmt: skip
+        return [dict(m) for m in self._messages]
+
     def _gen(self, g: Gen) -> None:
-        self._check_can_generate(f"gen({g.name!r})")
-        prompt = self._ids()
-        if not prompt:
-            raise ProgramError(f"gen({g.name!r}) on an empty state: add some text first")
-        t0 = time.perf_counter()
-        if self._stream_q is not None:
-            result = None
-            for item in self.backend.stream(prompt, g.params):
-                if isinstance(item, Delta):
-                    if item.text:
-                        self._stream_q.put(item.text)
-                else:
-                    result = item
+        what = f"gen({g.name!r})"
+        self._check_can_generate(what)
+        params = {**self.defaults, **g.params}
+        if self.backend.token_level:
+            prompt = self._ids()
+            if not prompt:
+                raise ProgramError(f"{what} on an empty state: add some text first")
         else:
-            (result,) = self.backend.generate([prompt], g.params)
+            prompt = self._text_prompt(what)
+        t0 = time.perf_counter()
+        with _naming(what):
+            if self._stream_q is not None:
+                result = None
+                for item in self.backend.stream(prompt, params):
+                    if isinstance(item, Delta):
+                        if item.text:
+                            self._stream_q.put(item.text)
+                    else:
+                        result = item
+            else:
+                (result,) = self.backend.generate([prompt], params)
         self._record("gen", g.name, prompt, result, time.perf_counter() - t0)
         ids = list(result.token_ids)
-        if result.finish_reason == "stop":
-            if ids and ids[-1] in self.backend.eos_token_ids | set(g.params.get("stop_token_ids", ())):
+        if not self.backend.token_level:
+            ids = []
+        elif result.finish_reason == "stop":
+            if ids and ids[-1] in self.backend.eos_token_ids | set(params.get("stop_token_ids", ())):
                 ids.pop()  # the end-of-turn token: the role's end marker writes it back
             else:  # a stop string cut the text inside the ids
                 ids = self._tokenize(result.text)
         self._segments.append(Segment(result.text, tuple(ids)))
         if self._open_role is not None:
             self._open_text.append(result.text)
-        self._computed = len(prompt)
+        else:
+            self._loose_text = True
+        if self.backend.token_level:
+            self._computed = len(prompt)
         if g.name is not None:
             self.variables[g.name] = result.text
-            self.meta[g.name] = {"finish_reason": result.finish_reason, "token_ids": list(result.token_ids)}
+            self.meta[g.name] = {"finish_reason": result.finish_reason, "token_ids": list(result.token_ids),
+                                 "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
+                                 "completion_tokens": result.generated}  # fmt: skip
+
+    # -- select ----------------------------------------------------------------------------
 
     def _select(self, sel: Select) -> None:
-        self._check_can_generate(f"select({sel.name!r})")
+        what = f"select({sel.name!r})"
+        self._check_can_generate(what)
+        method = sel.choices_method
+        unconditional = bool(getattr(method, "requires_unconditional_logprobs", False))
+        with _naming(what):
+            if self.backend.token_level:
+                keys, conditional, uncond = self._score_choices(sel, unconditional)
+            else:
+                keys, conditional, uncond = self._score_choices_text(sel, unconditional, what)
+        conditional = _tie_shared_prefixes(keys, conditional)
+        ids = [k if self.backend.token_level else [None] * len(k) for k in keys]
+        inputs = [[(lp, t, None) for lp, t in zip(row, i)] for row, i in zip(conditional, ids)]
+        uncond_inputs = None
+        if uncond is not None:
+            uncond = _tie_shared_prefixes(keys, uncond)
+            uncond_inputs = [[(lp, t, None) for lp, t in zip(row, i)] for row, i in zip(uncond, ids)]
+        decision = method(choices=list(sel.choices),
+                          normalized_prompt_logprobs=[sum(row) / len(row) for row in conditional],
+                          input_token_logprobs=inputs, output_token_logprobs=[[] for _ in sel.choices],
+                          unconditional_token_logprobs=uncond_inputs)  # fmt: skip
+        picked = getattr(decision, "decision", None)
+        if picked not in sel.choices:
+            raise ProgramError(f"{what}: the choices method {method!r} returned {picked!r}, not one of the choices")
+        best = sel.choices.index(picked)
+        self._segments.append(Segment(picked, tuple(keys[best]) if self.backend.token_level else ()))
+        if self._open_role is not None:
+            self._open_text.append(picked)
+        else:
+            self._loose_text = True
+        if self._stream_q is not None:
+            self._stream_q.put(picked)
+        if sel.name is not None:
+            self.variables[sel.name] = picked
+            meta = dict(getattr(decision, "meta_info", None) or {})
+            self.meta[sel.name] = {"choices": list(sel.choices), "logprobs": [sum(row) for row in conditional],
+                                   "choices_method": getattr(method, "name", repr(method)), **meta}  # fmt: skip
+
+    def _score_choices(self, sel: Select, unconditional: bool):
+        """Token-level backends: each choice's token ids and the logprobs of those tokens
+        after the state (and, if asked, with nothing before them)."""
+        what = f"select({sel.name!r})"
         prompt = self._ids()
         if not prompt:
-            raise ProgramError(f"select({sel.name!r}) on an empty state: add some text first")
+            raise ProgramError(f"{what} on an empty state: add some text first")
         options = [self._tokenize(c) for c in sel.choices]
         start = len(prompt)
         params = {"max_new_tokens": 1, "temperature": 0.0, "prompt_logprobs_from": start}
@@ -363,52 +565,95 @@ class ProgramState:
         # the first choice computes the shared prompt; the rest then find it cached
         results = self.backend.generate([prompt + options[0]], params)
         results += self.backend.generate([prompt + o for o in options[1:]], params) if len(options) > 1 else []
-        seconds = time.perf_counter() - t0
-        scores = []
+        seconds = (time.perf_counter() - t0) / len(options)
+        conditional = []
         for o, r in zip(options, results):
-            lps = r.prompt_logprobs[start : start + len(o)]
+            lps = (r.prompt_logprobs or [])[start : start + len(o)]
             if len(lps) != len(o) or any(lp is None for lp in lps):
                 raise BackendError("the runtime returned no prompt logprobs for a choice")
-            scores.append(sum(lps))
-            self._record("select", sel.name, prompt + o, r, seconds / len(options))
-        best = max(range(len(options)), key=scores.__getitem__)
-        self._segments.append(Segment(sel.choices[best], tuple(options[best])))
-        if self._open_role is not None:
-            self._open_text.append(sel.choices[best])
-        if self._stream_q is not None:
-            self._stream_q.put(sel.choices[best])
-        if sel.name is not None:
-            self.variables[sel.name] = sel.choices[best]
-            self.meta[sel.name] = {"choices": list(sel.choices), "logprobs": scores}
+            conditional.append(list(lps))
+            self._record("select", sel.name, prompt + o, r, seconds)
+        uncond = None
+        if unconditional:  # each choice alone: its first token has no context, so no logprob
+            t0 = time.perf_counter()
+            alone = self.backend.generate([list(o) for o in options],
+                                          {"max_new_tokens": 1, "temperature": 0.0, "prompt_logprobs_from": 0})  # fmt: skip
+            seconds = (time.perf_counter() - t0) / len(options)
+            uncond = []
+            for o, r in zip(options, alone):
+                lps = (r.prompt_logprobs or [])[: len(o)]
+                if len(lps) != len(o) or any(lp is None for lp in lps[1:]):
+                    raise BackendError("the runtime returned no prompt logprobs for a choice on its own")
+                uncond.append([None, *lps[1:]])
+                self._record("select", sel.name, o, r, seconds)
+        return options, conditional, uncond
+
+    def _score_choices_text(self, sel: Select, unconditional: bool, what: str):
+        """Text-level backends (completions only): the backend scores each choice's text
+        after the program's text; tokens are the server's, known by their text."""
+        if self._used_roles:
+            raise ProgramError(f"{what}: select over chat completions ({type(self.backend).__name__}) is not "
+                               f"supported: every choices method needs the logprobs of given text, which the chat "
+                               f"API does not return. Constrain a gen instead, e.g. "
+                               f"assistant(gen({sel.name!r}, regex='(yes|no)')), where the server supports regex")  # fmt: skip
+        prompt = self._text_prompt(what)
+        t0 = time.perf_counter()
+        scored = self.backend.score_text(prompt, list(sel.choices))
+        seconds = (time.perf_counter() - t0) / len(sel.choices)
+        keys, conditional = [], []
+        for choice, sc in zip(sel.choices, scored):
+            if not sc.logprobs or any(lp is None for lp in sc.logprobs):
+                raise BackendError(f"the server returned no logprobs for the choice {choice!r}")
+            keys.append(list(sc.tokens))
+            conditional.append(list(sc.logprobs))
+            self._record("select", sel.name, (), sc.result, seconds)
+        uncond = None
+        if unconditional:
+            t0 = time.perf_counter()
+            alone = self.backend.score_text("", list(sel.choices))
+            seconds = (time.perf_counter() - t0) / len(sel.choices)
+            uncond = []
+            for choice, key, sc in zip(sel.choices, keys, alone):
+                if list(sc.tokens) != key:
+                    raise BackendError(f"the server tokenizes the choice {choice!r} differently on its own "
+                                       f"({sc.tokens}) than after the prompt ({key}); unconditional_likelihood_"
+                                       f"normalized needs the same tokens")  # fmt: skip
+                uncond.append([None, *sc.logprobs[1:]])
+                self._record("select", sel.name, (), sc.result, seconds)
+        return keys, conditional, uncond
 
     def _record(self, kind, name, prompt, r: CallResult, seconds) -> None:
-        self.calls.append(CallRecord(kind, name, tuple(prompt), r.prompt_tokens, r.cached_tokens,
-                                     r.generated, seconds, r.ttft))  # fmt: skip
+        ids = tuple(prompt) if self.backend.token_level else ()
+        self.calls.append(CallRecord(kind, name, ids, r.prompt_tokens, r.cached_tokens, r.generated, seconds,
+                                     r.ttft))  # fmt: skip
 
     # -- forks -------------------------------------------------------------------------------
 
-    def fork(self, n: int) -> ForkGroup:
-        """``n`` states that start from everything this one holds. The shared prefix is
-        sent to the runtime once first, so every branch finds it cached."""
-        if not isinstance(n, int) or n < 1:
-            raise ProgramError(f"fork(n) needs an int n >= 1, got {n!r}")
+    def fork(self, size: int = 1) -> ForkGroup:
+        """``size`` states that start from everything this one holds. The shared prefix
+        is sent to the runtime once first, so every branch finds it cached."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ProgramError(f"fork(n) needs an int n >= 1, got {size!r}")
         self.sync()
         prompt = self._ids()
-        if len(prompt) > self._computed + 1:
+        if self.backend.token_level and len(prompt) > self._computed + 1:
             t0 = time.perf_counter()
-            (r,) = self.backend.generate([prompt], {"max_new_tokens": 1, "temperature": 0.0})
+            with _naming("fork"):
+                (r,) = self.backend.generate([prompt], {"max_new_tokens": 1, "temperature": 0.0})
             self._record("prefix", None, prompt, r, time.perf_counter() - t0)
             self._computed = len(prompt)
-        children = [ProgramState(self.backend, _parent=self) for _ in range(n)]  # text_iter shows the parent
+        children = [ProgramState(self.backend, _parent=self) for _ in range(size)]  # text_iter shows the parent
         self.children += children
         return ForkGroup(children, self)
 
     def _copy_from(self, parent: ProgramState) -> None:
+        self.defaults = dict(parent.defaults)
         self._markers = parent._markers
         self._segments = list(parent._segments)
         self._messages = [dict(m) for m in parent._messages]
         self._open_role, self._open_text = parent._open_role, list(parent._open_text)
         self._used_roles = parent._used_roles
+        self._loose_text = parent._loose_text
         self.variables = dict(parent.variables)
         self._computed = parent._computed
 
@@ -442,6 +687,9 @@ class ProgramState:
 
     def token_ids(self) -> list[int]:
         self.sync()
+        if not self.backend.token_level:
+            raise ProgramError(f"token_ids(): {type(self.backend).__name__} sends text; the server's token ids "
+                               f"are not known here")  # fmt: skip
         return self._ids()
 
     def messages(self) -> list[dict]:
@@ -480,21 +728,86 @@ class ProgramState:
             self._worker.shutdown(wait=False)
 
 
-class ForkGroup(list):
-    """The states ``s.fork(n)`` returns; ``join()`` waits for all of them and gives the
-    parent each variable the branches set, as a list (one value per branch)."""
+@contextmanager
+def _naming(what: str):
+    """Failures of a backend call name the operation: ``gen('answer'): the runtime
+    answered 400 on sampling_params.regex: ...``. A bad value the in-process engine
+    refuses (its SamplingParams check) becomes a ProgramError."""
+    try:
+        yield
+    except BackendError as e:
+        raise BackendError(f"{what}: {e}", status=e.status, param=e.param) from e
+    except (ValueError, TypeError) as e:
+        raise ProgramError(f"{what}: {e}") from e
+
+
+def _tie_shared_prefixes(keys: list[list], rows: list[list]) -> list[list]:
+    """Choices whose first k tokens are the same share those tokens' logprobs: they are
+    the same conditional probabilities, computed in different requests, which may differ
+    in the last bits. The first choice's values stand for all (ties stay exact ties)."""
+    seen: dict[tuple, Any] = {}
+    out = []
+    for key, row in zip(keys, rows):
+        new = []
+        for j, lp in enumerate(row):
+            new.append(seen.setdefault(tuple(key[: j + 1]), lp))
+        out.append(new)
+    return out
+
+
+class ForkGroup:
+    """The states ``s.fork(n)`` returns. Iterate or index it for the branches;
+    ``forks += expr`` appends ``expr`` to every branch (a list or tuple of n
+    expressions: one to each branch; a function: ``expr(i)`` to branch i), as SGLang;
+    ``forks[i] += expr`` appends to branch i. ``join()`` waits for all of them and gives
+    the parent each variable the branches set (and the parent had not), as a list with
+    one value per branch (None where a branch did not set it)."""
 
     def __init__(self, states: list[ProgramState], parent: ProgramState):
-        super().__init__(states)
+        self.states = list(states)
         self.parent = parent
 
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __getitem__(self, i):
+        return self.states[i]
+
+    def __setitem__(self, i: int, value) -> None:
+        if value is not self.states[i]:  # ``forks[i] += expr`` assigns the same state back
+            raise ProgramError("a fork group's branches cannot be replaced; forks[i] += expr adds to branch i")
+
+    def __iadd__(self, expr) -> ForkGroup:
+        if isinstance(expr, (list, tuple)):
+            if len(expr) != len(self.states):
+                raise ProgramError(f"forks += [...] needs one expression per branch: {len(self.states)} branches, "
+                                   f"{len(expr)} expressions")  # fmt: skip
+            pieces = list(expr)
+        elif callable(expr):
+            pieces = [expr(i) for i in range(len(self.states))]
+        else:
+            pieces = [expr] * len(self.states)
+        for piece in pieces:  # check every piece before any branch gets one
+            if not isinstance(piece, (str, Gen, Select, Role)):
+                raise ProgramError(f"forks += ... takes text, gen(...), select(...) or a role, "
+                                   f"not {type(piece).__name__}")  # fmt: skip
+        for state, piece in zip(self.states, pieces):
+            state += piece
+        return self
+
+    def __repr__(self) -> str:
+        return f"ForkGroup({len(self.states)} branches)"
+
     def join(self) -> list[ProgramState]:
-        for s in self:
+        for s in self.states:
             s.sync()
-        names = {n for s in self for n in s.variables if n not in self.parent.variables}
+        names = {n for s in self.states for n in s.variables if n not in self.parent.variables}
         for name in sorted(names):
-            self.parent.variables[name] = [s.variables.get(name) for s in self]
-        return list(self)
+            self.parent.variables[name] = [s.variables.get(name) for s in self.states]
+        return list(self.states)
 
 
 # -- functions ----------------------------------------------------------------------------------
@@ -515,27 +828,58 @@ def _backend(backend: Backend | None) -> Backend:
 
 
 class ProgramFunction:
-    """A program: ``fn.run(**kwargs)``, ``fn.run_batch([kwargs, ...])``."""
+    """A program: ``fn.run(*args, **kwargs)``, ``fn.run_batch([kwargs or args, ...])``."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
+        self._signature = inspect.signature(fn)
+        params = list(self._signature.parameters.values())
+        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+            raise ProgramError(f"@function {fn.__name__}: the first parameter must be the state (s)")
+        self._own = {p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
-    def run(self, *, backend: Backend | None = None, stream: bool = False, **kwargs) -> ProgramState:
-        """Run the program to the end and return its state. With ``stream=True`` it runs
-        in the background and returns at once: read ``state.text_iter()``."""
-        s = ProgramState(_backend(backend), stream=stream)
+    @staticmethod
+    def _defaults(given: dict) -> dict:
+        """The sampling defaults in ``given`` (RUN_DEFAULTS names; None: unset)."""
+        defaults = {k: v for k, v in given.items() if v is not None}
+        if isinstance(defaults.get("stop"), str):
+            defaults["stop"] = [defaults["stop"]]
+        return defaults
+
+    def _split(self, kwargs: dict) -> tuple[dict, dict]:
+        """(defaults, the program's own keywords): a keyword that names a sampling field
+        and no parameter of the program is a default for every gen."""
+        given = {k: kwargs[k] for k in kwargs if k in RUN_DEFAULTS and k not in self._own}
+        rest = {k: v for k, v in kwargs.items() if k not in given}
+        return self._defaults(given), rest
+
+    def _bind(self, args: tuple, kwargs: dict) -> None:
+        try:
+            self._signature.bind(None, *args, **kwargs)
+        except TypeError as e:
+            raise ProgramError(f"{self.__name__}(...): {e}") from None
+
+    def run(self, *args, backend: Backend | None = None, stream: bool = False, **kwargs) -> ProgramState:
+        """Run the program to the end and return its state. Keywords named like
+        SamplingParams fields (``max_new_tokens``, ``temperature``, ``top_p``, ``stop``,
+        ... but not a parameter of the program) are defaults for every gen that does not
+        set them. With ``stream=True`` it runs in the background and returns at once:
+        read ``state.text_iter()``."""
+        defaults, kwargs = self._split(kwargs)
+        self._bind(args, kwargs)
+        s = ProgramState(_backend(backend), stream=stream, defaults=defaults)
         if not stream:
-            self._execute(s, kwargs)
+            self._execute(s, args, kwargs)
             return s
 
         def background():
             try:
-                self._execute(s, kwargs)
+                self._execute(s, args, kwargs)
             except BaseException as e:  # surfaced by text_iter
                 s._stream_q.put(e)
             s._stream_q.put(None)
@@ -543,43 +887,68 @@ class ProgramFunction:
         threading.Thread(target=background, name=f"radixkv-{self.__name__}", daemon=True).start()
         return s
 
-    def _execute(self, s: ProgramState, kwargs: dict) -> None:
+    def _execute(self, s: ProgramState, args: tuple, kwargs: dict) -> None:
         try:
-            self.fn(s, **kwargs)
+            self.fn(s, *args, **kwargs)
         finally:
             s._finish()
 
-    def run_batch(self, batch_kwargs: list[dict], *, backend: Backend | None = None, num_threads: int = 16,
-                  progress_bar: bool = False) -> list[ProgramState]:  # fmt: skip
-        """Run the program once per kwargs dict, ``num_threads`` at a time; states in
-        order. The first runs alone, so that what all of them share (a system prompt,
-        few-shot examples) is cached before the rest start. A failing program raises
-        after the others finish."""
+    def run_batch(self, batch_kwargs: Sequence[dict | tuple | list], *, backend: Backend | None = None,
+                  num_threads: int | str = 16, progress_bar: bool = False, **defaults) -> list[ProgramState]:  # fmt: skip
+        """Run the program once per item, ``num_threads`` at a time ("auto": 16); states
+        in order. An item is a dict of keyword arguments or a tuple (or list) of
+        positional ones. Other keywords (``temperature=``, ``max_new_tokens=``, ...) are
+        defaults for every gen, as in ``run``. The first program runs alone, so that what
+        all of them share (a system prompt, few-shot examples) is cached before the rest
+        start. A failing program raises after the others finish."""
+        unknown = sorted(set(defaults) - set(RUN_DEFAULTS))
+        if unknown:
+            raise ProgramError(f"run_batch(...) got unknown keywords {', '.join(unknown)}; the program's own "
+                               f"arguments go in the items")  # fmt: skip
+        defaults = self._defaults(defaults)
+        if num_threads == "auto":
+            num_threads = 16
+        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+            raise ProgramError(f"run_batch(num_threads=...) needs an int >= 1 or 'auto', got {num_threads!r}")
+        calls = []
+        for i, item in enumerate(batch_kwargs):
+            if isinstance(item, dict):
+                args, kwargs = (), dict(item)
+            elif isinstance(item, (tuple, list)):
+                args, kwargs = tuple(item), {}
+            else:
+                raise ProgramError(f"run_batch item {i} must be a dict of keyword arguments or a tuple of positional "
+                                   f"ones, not {type(item).__name__}")  # fmt: skip
+            try:
+                self._bind(args, kwargs)
+            except ProgramError as e:
+                raise ProgramError(f"run_batch item {i}: {e}") from None
+            calls.append((args, kwargs))
         chosen = _backend(backend)
-        states: list[ProgramState | None] = [None] * len(batch_kwargs)
+        states: list[ProgramState | None] = [None] * len(calls)
         bar = None
         if progress_bar:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(batch_kwargs), desc=self.__name__)
+            bar = tqdm(total=len(calls), desc=self.__name__)
 
         def one(i: int) -> None:
-            s = ProgramState(chosen)
+            s = ProgramState(chosen, defaults=defaults)
             states[i] = s
             try:
-                self._execute(s, batch_kwargs[i])
+                self._execute(s, *calls[i])
             finally:
                 if bar is not None:
                     bar.update(1)
 
         errors = []
-        if batch_kwargs:
+        if calls:
             try:
                 one(0)
             except Exception as e:
                 errors.append(e)
-        with ThreadPoolExecutor(max(1, num_threads)) as pool:
-            for f in [pool.submit(one, i) for i in range(1, len(batch_kwargs))]:
+        with ThreadPoolExecutor(num_threads) as pool:
+            for f in [pool.submit(one, i) for i in range(1, len(calls))]:
                 try:
                     f.result()
                 except Exception as e:

@@ -140,17 +140,20 @@ def pick(s, question, choices):
     s += assistant(select("choice", choices))
 
 
-def test_select_picks_the_highest_total_logprob(backend, engine):
+def test_select_picks_the_highest_mean_token_logprob(backend, engine):
     choices = ["Paris", "London", "The city of Berlin"]
     s = pick.run(question="What is the capital of France? Answer with the city.", choices=choices, backend=backend)
     prefix = list(s.calls[0].prompt_ids)[: -len(engine.tokenizer.encode(choices[0], add_special_tokens=False))]
-    want = []
+    want, lengths = [], []
     for c in choices:  # direct: the model's logits over prefix + choice, all positions
         ids = prefix + engine.tokenizer.encode(c, add_special_tokens=False)
         want.append(total_logprob(engine, ids, len(prefix)))
-    got = s.get_meta_info("choice")["logprobs"]
+        lengths.append(len(ids) - len(prefix))
+    got = s.get_meta_info("choice")["logprobs"]  # each choice's total
     assert got == pytest.approx(want, abs=1e-3)
-    assert s["choice"] == choices[max(range(3), key=want.__getitem__)]
+    means = [w / n for w, n in zip(want, lengths)]  # SGLang's default: token_length_normalized
+    assert s.get_meta_info("choice")["normalized_prompt_logprobs"] == pytest.approx(means, abs=1e-3)
+    assert s["choice"] == choices[max(range(3), key=means.__getitem__)]
     assert s.messages()[-1] == {"role": "assistant", "content": s["choice"]}
     assert all(c.cached_tokens > 0 for c in s.calls[1:])  # later choices reuse the prompt
 
