@@ -9,6 +9,17 @@ _FRONTEND = (
 __all__ = ["Engine", "EngineConfig", "SamplingParams", *_FRONTEND]
 
 
+def package_version() -> str:
+    """The installed distribution's version (what ``radixkv --version`` prints), else
+    ``__version__`` (a source tree on sys.path without an install)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("radixkv")
+    except PackageNotFoundError:
+        return __version__
+
+
 def __getattr__(name):
     # Lazy: `import radixkv` stays light (the cache simulator needs no model stack).
     if name in ("Engine", "EngineConfig"):

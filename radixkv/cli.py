@@ -7,6 +7,7 @@
     radixkv sim --workload mixed         the same on a built-in workload (rag, agent: the bench's programs)
     radixkv sim ... --pool-bytes 1GiB,4GiB --kv-dtype fp32,int8   hit rate per KV format at fixed memory
     radixkv kv-scales --text FILE --out scales.json     fp8 KV scales measured on your text
+    radixkv --version                    the installed package's version
 
 Defaults come from ``SimConfig``.
 """
@@ -102,6 +103,20 @@ def _positive(text: str) -> int:
     return value
 
 
+class _Version(argparse.Action):
+    """``radixkv --version``: the package version alone on a line, exit 0 (looked up only
+    when asked for)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from radixkv import package_version
+
+        print(package_version())
+        parser.exit()
+
+
 PROGRAM_WORKLOADS = ("rag", "agent")  # radixkv.workloads programs, traced with the model's tokenizer
 
 
@@ -110,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = SimConfig()
     parser = argparse.ArgumentParser(prog="radixkv", description="radixkv: radix-tree prefix-cache LLM runtime")
+    parser.add_argument("--version", action=_Version, help="print radixkv's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="a multi-turn chat on the embedded model, then hit rate vs cache size")
