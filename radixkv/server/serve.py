@@ -57,6 +57,10 @@ HELP = {
     "graceful_shutdown_seconds": "on SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted "
                                  "(each client still gets a JSON 503 or a final SSE error event)",
     "log_level": "uvicorn log level: critical, error, warning, info, debug",
+    "allowed_origins": "CORS: origins (scheme://host[:port]) whose web pages may call the server, or '*' for any; "
+                       "default none: no CORS headers",
+    "allowed_methods": "CORS: methods a preflight may ask for ('*': those the server serves)",
+    "allowed_headers": "CORS: request headers a preflight may ask for ('*': any, Authorization included)",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
            "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES}  # fmt: skip
@@ -92,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {default})"
             if f.type == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            elif f.type == "tuple[str, ...]":
+                if "default" not in HELP[f.name]:
+                    help_text = f"{HELP[f.name]} (default: {' '.join(default)})"
+                group.add_argument(flag, nargs="+", default=default, metavar=f.name.upper().removesuffix("S"),
+                                   help=help_text)  # fmt: skip
             else:
                 group.add_argument(flag, type=_typed(f.type, f.name), default=default, choices=CHOICES.get(f.name),
                                    metavar=f.name.upper(), help=help_text)  # fmt: skip
