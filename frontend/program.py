@@ -319,6 +319,7 @@ class ProgramState:
         self._pending: list = []
         self._error: BaseException | None = None
         self._computed = 0  # prompt tokens the runtime is known to hold (fork prefixes)
+        self._finished = False  # the program returned: variables may still be set, nothing added
         if _parent is not None:
             self._copy_from(_parent)
 
@@ -331,6 +332,8 @@ class ProgramState:
         return self
 
     def _submit(self, op) -> None:
+        if self._finished:
+            raise ProgramError("the program has finished: nothing more can be added to its state")
         self._pending.append(self._worker.submit(self._run_op, op))
 
     def __setitem__(self, name: str, value) -> None:
@@ -338,7 +341,10 @@ class ProgramState:
         (a later ``gen(name)`` overwrites it). It adds nothing to the prompt."""
         if not isinstance(name, str):
             raise ProgramError(f"s[name] = ... takes a str name, not {type(name).__name__}")
-        self._submit(_SetVar(name, value))
+        if self._finished:
+            self.variables[name] = value
+        else:
+            self._submit(_SetVar(name, value))
 
     def set_var(self, name: str, value) -> None:
         self[name] = value
@@ -725,6 +731,7 @@ class ProgramState:
                 child._finish()
             self.sync()
         finally:
+            self._finished = True
             self._worker.shutdown(wait=False)
 
 
