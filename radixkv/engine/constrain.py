@@ -1,34 +1,47 @@
-"""Constrained decoding (regex) on llguidance, a maintained grammar engine.
+"""Constrained decoding on llguidance: regex, JSON schema, EBNF/Lark grammars, choices.
 
 At every step a constrained request may only sample tokens that keep its output a
-possible prefix of a full match; an end-of-sequence token only once the output is a full
-match. llguidance computes that token mask from a derivative-based lexer over the
-tokenizer's token trie: no backtracking, so time per step is linear in what it explores,
-and every step is capped by a fuel budget; the lexer's states (its memory) are capped
-too. Why llguidance rather than xgrammar: it has no dependencies (xgrammar requires
-transformers and an unpinned triton at run time), it reads our ``tokenizers`` JSON as
-is, its limits are explicit per matcher, and a mask costs 0.03-0.3 ms per step for the
-patterns in the tests on this machine's CPU (the hand-written matcher it replaces took
-50-100 ms and could backtrack for minutes).
+possible prefix of a sentence of its grammar; an end-of-sequence token only once the
+output is complete. llguidance computes that token mask from a derivative-based lexer
+and an Earley parser over the tokenizer's token trie: no backtracking, every step capped
+by a fuel budget, the lexer's states (its memory) capped too.
+
+Why llguidance rather than xgrammar (measured in benchmarks/bench_constrain.py and
+benchmarks/peers/xgrammar_masks.py): it has no dependencies (xgrammar needs torch and
+transformers at run time), it reads our ``tokenizers`` JSON as is, its limits are
+explicit per matcher, it releases the GIL while it computes a mask (so masks overlap
+the model's forward), and a mask costs 0.02-0.3 ms per step for the grammars in the
+tests on this machine's CPU.
+
+One grammar per request, named by the SamplingParams field that carries it:
+
+    regex        a regular expression (Rust regex syntax), the whole output matches it
+    json_schema  a JSON schema (JSON text); ``{"type": "object"}`` is any JSON object
+    ebnf         a grammar in llguidance's Lark syntax or llama.cpp's GBNF; a rule may
+                 embed a JSON schema (``%json {...}``), as tool calls do
+    choices      the output is exactly one of these strings
 
 Where the work happens:
 
     client thread / worker thread          engine thread, every step
     ---------------------------------      ------------------------------------
-    check_regex (in SamplingParams)        Constraint.allowed()  -> bool [V] mask
-    Grammar.compile(regex) -> Constraint   Constraint.advance(token)
-      (builds the matcher and its first     Constraint.done / .error
-       mask, so a pattern too large for
-       the limits is refused there)
+    check_grammar (in SamplingParams)      prefetch(constraints)   before the forward:
+    Grammar.compile(spec) -> Constraint      masks computed on the mask thread while
+      (validated grammars and a started      the model runs (llguidance drops the GIL)
+       matcher are cached per spec; a      Constraint.allowed()    after: waits, -> mask
+       new request deep-copies one)        Constraint.advance(token)
 
 ``Grammar.compile`` never runs on the server's event loop (the server calls it through
-``asyncio.to_thread``) nor on the engine thread. Nothing is cached across requests:
-a request's matcher is freed with the request.
+``asyncio.to_thread``) nor on the engine thread.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -37,18 +50,52 @@ from radixkv.errors import FieldError
 
 MAX_PATTERN_CHARS = 1000
 MAX_REPEAT = 4_000  # a{n}, (a{m}){n}: at most this many repeats, nested ones multiplied
+MAX_GRAMMAR_CHARS = 100_000  # a json_schema or ebnf text
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1000
+CACHED_GRAMMARS = 64  # compiled specs kept (LRU)
 # llguidance's limits for one matcher. Fuel: ~50k units/ms building, ~14k/ms per step;
 # states: 1-2 kB each. So a step costs at most ~15 ms and a matcher at most ~40 MB.
 LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=50_000, max_lexer_states=20_000,
               max_grammar_size=50_000, verbose_errors=False)  # fmt: skip
+KINDS = ("regex", "json_schema", "ebnf", "choices")
+
+
+class GrammarSpec(NamedTuple):
+    """What a request is constrained to: ``kind`` (one of KINDS, also the field that
+    carries it) and its ``source`` (text; for choices a tuple of strings)."""
+
+    kind: str
+    source: str | tuple[str, ...]
+
+    def llguidance(self) -> str:
+        """The grammar in llguidance's own format."""
+        import llguidance
+
+        if self.kind == "choices":
+            return llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in self.source))
+        if self.kind == "json_schema":
+            return llguidance.grammar_from("json_schema", json.dumps(json_layout(json.loads(self.source))))
+        return llguidance.grammar_from({"regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf"}[self.kind],
+                                       self.source)  # fmt: skip
+
+
+# JSON on one line, separators as Python's json.dumps writes them: a small model given
+# free whitespace can spend its whole budget on newlines. A schema's own "x-guidance"
+# (llguidance's options) wins.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_layout(schema):
+    """``schema`` with radixkv's JSON layout (``JSON_LAYOUT``) unless it sets its own."""
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        return {**schema, "x-guidance": JSON_LAYOUT}
+    return schema
 
 
 def check_regex(pattern: object) -> None:
-    """The checks that need no tokenizer (type, length, repetition counts, syntax), in
-    well under a millisecond; ValueError naming ``regex``. Whether the pattern fits the
-    limits over a vocabulary is ``Grammar.compile``'s to say."""
-    import llguidance
-
+    """The checks of a regex that need no tokenizer (type, length, repetition counts,
+    syntax), in well under a millisecond; FieldError naming ``regex``."""
     if not isinstance(pattern, str) or not pattern:
         raise FieldError("regex", f"regex must be a non-empty str, got {pattern!r}")
     if len(pattern) > MAX_PATTERN_CHARS:
@@ -56,12 +103,67 @@ def check_regex(pattern: object) -> None:
     largest = _largest_repeat(pattern)
     if largest > MAX_REPEAT:
         raise FieldError("regex", f"regex repeats at most {MAX_REPEAT} times ({{m,n}}), got {largest}")
-    grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, None, limits=llguidance.LLParserLimits(**LIMITS)
-    )
+    _validate(GrammarSpec("regex", pattern))
+
+
+def check_grammar(kind: str, value: object) -> GrammarSpec:
+    """The spec of a ``kind`` constraint from a request's value, checked without a
+    tokenizer (type, size, syntax); FieldError naming ``kind``. ``json_schema`` takes
+    JSON text or an already-parsed dict / bool; ``choices`` a list of strings."""
+    if kind == "regex":
+        check_regex(value)
+        return GrammarSpec("regex", value)
+    if kind == "json_schema":
+        if isinstance(value, (dict, bool)):
+            value = json.dumps(value)
+        if not isinstance(value, str) or not value:
+            raise FieldError(kind, f"json_schema must be a JSON schema (JSON text or an object), got {value!r}")
+        _check_size(kind, value)
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise FieldError(kind, f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(parsed, (dict, bool)):
+            raise FieldError(kind, f"json_schema must be a JSON object, got {type(parsed).__name__}")
+        spec = GrammarSpec(kind, value)
+    elif kind == "ebnf":
+        if not isinstance(value, str) or not value.strip():
+            raise FieldError(kind, f"ebnf must be a non-empty grammar (Lark or GBNF), got {value!r}")
+        _check_size(kind, value)
+        spec = GrammarSpec(kind, value)
+    elif kind == "choices":
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+            raise FieldError(kind, f"choices must be a non-empty list of str, got {value!r}")
+        if len(value) > MAX_CHOICES:
+            raise FieldError(kind, f"choices must have at most {MAX_CHOICES} entries, got {len(value)}")
+        for i, c in enumerate(value):
+            if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS:
+                raise FieldError(kind, f"choices[{i}] must be a str of 1 to {MAX_CHOICE_CHARS} characters, got {c!r}")
+        spec = GrammarSpec(kind, tuple(value))
+    else:
+        raise FieldError("grammar", f"a grammar kind is one of {', '.join(KINDS)}, got {kind!r}")
+    _validate(spec)
+    return spec
+
+
+def _check_size(kind: str, text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise FieldError(kind, f"{kind} must be at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+
+
+def _validate(spec: GrammarSpec) -> None:
+    import llguidance
+
+    try:
+        grammar = spec.llguidance()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, None, limits=llguidance.LLParserLimits(**LIMITS)
+        )
+    except (ValueError, RuntimeError) as e:  # a converter's own error (GBNF, JSON)
+        failed, messages = True, [str(e)]
     if failed:
-        raise FieldError("regex", f"regex {_short(pattern)} does not compile: {' '.join(messages[0].split())[:300]}")
+        raise FieldError(spec.kind, f"{spec.kind} {_short(spec.source)} does not compile: "
+                                    f"{' '.join(messages[0].split())[:300]}")  # fmt: skip
 
 
 def _largest_repeat(pattern: str) -> int:
@@ -101,19 +203,25 @@ def _largest_repeat(pattern: str) -> int:
     return max(stack)
 
 
-def _short(pattern: str) -> str:
-    return repr(pattern if len(pattern) <= 80 else pattern[:77] + "...")
+def _short(source) -> str:
+    text = source if isinstance(source, str) else json.dumps(list(source))
+    return repr(text if len(text) <= 80 else text[:77] + "...")
 
 
 class Grammar:
     """Compiles constraints for one tokenizer. The llguidance tokenizer behind it is
-    built on first use (~0.4 s for a 49k vocabulary) and shared; safe from any thread."""
+    built on first use (~0.4 s for a 49k vocabulary) and shared; the last
+    ``CACHED_GRAMMARS`` specs keep a started matcher that new requests copy (a copy
+    takes microseconds; building one, milliseconds). Safe from any thread."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, cached: int = CACHED_GRAMMARS):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll = None
         self._lock = threading.Lock()
+        self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
+        self._cached = cached
+        self.hits = self.misses = 0
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -128,48 +236,101 @@ class Grammar:
                 self._ll = llguidance.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=eos)
             return self._ll
 
-    def compile(self, regex: str) -> Constraint:
-        """A fresh constraint for ``regex``, its first mask computed. Raises ValueError
-        naming ``regex`` when the pattern is invalid or exceeds the limits."""
+    def compile(self, spec: GrammarSpec | str) -> Constraint:
+        """A fresh constraint for ``spec`` (a plain str is a regex), its first mask
+        computed. Raises FieldError naming the spec's kind when the grammar is invalid
+        or exceeds the limits."""
         import llguidance
 
-        check_regex(regex)
+        if isinstance(spec, str):
+            spec = check_grammar("regex", spec)
+        with self._lock:
+            started = self._cache.get(spec)
+            if started is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+                return Constraint(started.deep_copy(), self.vocab_size, spec.kind)
+        spec = check_grammar(spec.kind, spec.source)
         ll = self._ll_tokenizer()
-        grammar = llguidance.LLMatcher.grammar_from_regex(regex)
-        matcher = llguidance.LLMatcher(ll, grammar, limits=llguidance.LLParserLimits(**LIMITS), log_level=0)
-        constraint = Constraint(matcher, self.vocab_size)
-        constraint.allowed()  # builds the lexer's start: the costly part of a large pattern
+        matcher = llguidance.LLMatcher(ll, spec.llguidance(), limits=llguidance.LLParserLimits(**LIMITS), log_level=0)
+        constraint = Constraint(matcher, self.vocab_size, spec.kind)
+        constraint.allowed()  # builds the lexer's start: the costly part of a large grammar
         if constraint.error is not None:
-            raise FieldError("regex", f"regex {_short(regex)} cannot be used: {constraint.error.splitlines()[0]}")
+            raise FieldError(spec.kind, f"{spec.kind} {_short(spec.source)} cannot be used: "
+                                        f"{constraint.error.splitlines()[0]}")  # fmt: skip
+        with self._lock:
+            self.misses += 1
+            self._cache[spec] = matcher.deep_copy()
+            while len(self._cache) > self._cached:
+                self._cache.popitem(last=False)
         return constraint
+
+
+_mask_thread: ThreadPoolExecutor | None = None
+_mask_thread_lock = threading.Lock()
+
+
+def prefetch(constraints: Sequence[Constraint]) -> None:
+    """Start computing the next masks of ``constraints`` on the mask thread (one for
+    the process; llguidance releases the GIL while it works), so they are ready when
+    the step's logits are: call before the forward, then ``allowed()`` as usual."""
+    global _mask_thread
+    todo = [c for c in constraints if c._mask is None and c._pending is None]
+    if not todo:
+        return
+    with _mask_thread_lock:
+        if _mask_thread is None:
+            _mask_thread = ThreadPoolExecutor(1, thread_name_prefix="radixkv-masks")
+    future = _mask_thread.submit(_compute_all, todo)
+    for c in todo:
+        c._pending = future
+
+
+def _compute_all(constraints: list[Constraint]) -> None:
+    for c in constraints:
+        c._compute()
 
 
 class Constraint:
     """One sequence's position in its grammar. Not thread-safe: after ``compile`` only
-    the engine thread uses it."""
+    the engine thread uses it (and the mask thread, between ``prefetch`` and the next
+    ``allowed``). ``kind`` names the request field its grammar came from."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, kind: str = "regex"):
         self._m = matcher
         self.vocab_size = vocab_size
+        self.kind = kind
         self._words = np.empty((vocab_size + 31) // 32, dtype=np.int32)
         self._mask: torch.Tensor | None = None  # of the current position
+        self._pending: Future | None = None  # the mask thread is computing _mask
 
     def copy(self) -> Constraint:
         """An independent constraint at the same position (for ``n`` > 1 samples)."""
-        return Constraint(self._m.deep_copy(), self.vocab_size)
+        self._wait()
+        return Constraint(self._m.deep_copy(), self.vocab_size, self.kind)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def _compute(self) -> None:
+        if self._mask is None:
+            self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+            bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
+            self._mask = torch.from_numpy(bits.view(bool))
 
     def allowed(self) -> torch.Tensor:
         """Bool ``[vocab_size]``: the tokens that may come next. Cached until ``advance``.
         In the error state nothing is allowed but end-of-sequence."""
-        if self._mask is None:
-            self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-            bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
-            self._mask = torch.from_numpy(bits.astype(bool))
+        self._wait()
+        self._compute()
         return self._mask
 
     def advance(self, token: int) -> None:
         """The sampled ``token`` joins the output; an invalid one puts the constraint in
         its error state (see ``error``)."""
+        self._wait()
         self._m.consume_token(int(token))
         self._mask = None
 
@@ -181,7 +342,8 @@ class Constraint:
 
     @property
     def error(self) -> str | None:
-        """Why the constraint failed (a limit hit, an invalid pattern or token), else None."""
+        """Why the constraint failed (a limit hit, an invalid grammar or token), else None."""
+        self._wait()
         return self._m.get_error() or None if self._m.is_error() else None
 
 

@@ -133,7 +133,7 @@ class Engine:
         self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if self.tokenizer.chat_template else None
         self._outbox: queue.Queue[Output] = queue.Queue()
         self.loop = EngineLoop(cfg, self._outbox.put, self.tokenizer)
-        self.grammar = Grammar(self.tokenizer, self.loop.vocab_size)  # compiles regex constraints
+        self.grammar = Grammar(self.tokenizer, self.loop.vocab_size)  # compiles constraints (regex, json_schema, ...)
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._replies: dict[int, Reply] = {}
@@ -185,9 +185,9 @@ class Engine:
     async def generate_async(self, prompt, params: SamplingParams | None = None, namespace: str | None = None,
                              constraint: Constraint | None = None) -> RequestOutput:  # fmt: skip
         """Generate for one prompt; cancelling the awaiting task aborts the request. A
-        ``params.regex`` is compiled in a worker thread unless ``constraint`` (from
-        ``compile_constraint``) is given."""
-        if constraint is None and params is not None and params.regex is not None:
+        constraint (``params.grammar``) is compiled in a worker thread unless ``constraint``
+        (from ``compile_constraint``) is given."""
+        if constraint is None and params is not None and params.grammar is not None:
             constraint = await asyncio.to_thread(self.compile_constraint, params)
         sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), constraint=constraint)
         try:
@@ -202,7 +202,7 @@ class Engine:
         """Text deltas and token ids as they are generated; never splits a character
         or emits text a stop string will cut. Closing the iterator early aborts."""
         constraint = None
-        if params is not None and params.regex is not None:
+        if params is not None and params.grammar is not None:
             constraint = await asyncio.to_thread(self.compile_constraint, params)
         async with self.open_stream(prompt, params, namespace, constraint) as stream:
             async for chunk in stream:
@@ -212,19 +212,20 @@ class Engine:
                     constraint: Constraint | None = None) -> RequestStream:  # fmt: skip
         """Submit a request now and return its RequestStream (see ``stream``), which also
         knows the request id and, once exhausted, the whole RequestOutput. Call from a
-        running event loop; a request with ``params.regex`` needs its ``constraint``
+        running event loop; a constrained request (``params.grammar``) needs its ``constraint``
         compiled first (``compile_constraint``, off the loop)."""
         loop = asyncio.get_running_loop()
         return RequestStream(self, self._submit(prompt, params, namespace, loop=loop, stream=True, constraint=constraint))
 
     def compile_constraint(self, params: SamplingParams | None) -> Constraint | None:
-        """The compiled ``params.regex`` (None without one). Takes milliseconds, up to the
-        grammar engine's limits for a large pattern: call it from a worker thread, not an
-        event loop. Raises ValueError naming ``regex`` for a pattern that is invalid or
+        """The compiled constraint of ``params`` (regex, json_schema, ebnf or choices; None
+        without one). Takes microseconds for a cached grammar, milliseconds up to the
+        grammar engine's limits for a new one: call it from a worker thread, not an
+        event loop. Raises FieldError naming the field for a grammar that is invalid or
         too large."""
-        if params is None or params.regex is None:
+        if params is None or params.grammar is None:
             return None
-        return self.grammar.compile(params.regex)
+        return self.grammar.compile(params.grammar)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, namespace: str | None = None,
              **template_args) -> RequestOutput:  # fmt: skip
@@ -310,8 +311,8 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if (params.regex is None) != (constraint is None):
-            raise ValueError("a request with regex needs its compiled constraint (compile_constraint), and only it")
+        if (params.grammar is None) != (constraint is None):
+            raise ValueError("a constrained request needs its compiled constraint (compile_constraint), and only it")
         ids = tuple(self.prompt_ids(prompt, bounded=params.kv_policy is not None, unbounded=params.kv_rerotate))
         self.check_policy(params, len(ids))
         rid = new_rid()

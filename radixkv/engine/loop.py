@@ -9,7 +9,8 @@ same process.
 One iteration: drain every command (add, abort, queries), then run one step:
 
     schedule -> build the batch -> model forward -> advance the KV state
-             -> prompt logprobs -> constraint masks -> sample -> per token: stop?
+             -> prompt logprobs -> constraint masks (computed beside the forward),
+                logit_bias, min_tokens -> sample -> per token: stop?
              -> end what stopped (its pages enter the cache), send its Finished
 """
 
@@ -30,6 +31,7 @@ from radixkv.cache.radix import RadixCache
 from radixkv.cache.store import PageStore, open_store
 from radixkv.cache.tiers import HostTier, KVTiers, layout, tokenizer_fingerprint, weights_fingerprint
 from radixkv.engine.config import EngineConfig
+from radixkv.engine.constrain import prefetch
 from radixkv.engine.messages import (
     Abort, AbortAll, AddRequests, Close, Command, NewRequest, Output, Query, QueryDone, Stopped,
 )  # fmt: skip
@@ -178,7 +180,8 @@ class EngineLoop:
             rid=new.rid, index=new.index, stream=new.stream, prompt_ids=ids, params=new.params,
             sampler=SamplerState(new.params, ids, seed_offset=new.index),
             detok=IncrementalDetokenizer(self.tokenizer, ids, new.params.skip_special_tokens),
-            kv=SeqKV(new.namespace, policy=self._policy(new.params, len(ids))), constraint=new.constraint,
+            kv=SeqKV(new.namespace, new.params.priority, policy=self._policy(new.params, len(ids))),
+            constraint=new.constraint,
             arrival_time=new.arrival_time,
         )  # fmt: skip
 
@@ -208,6 +211,7 @@ class EngineLoop:
             return
         batch = sched.build_batch(plan, self.config.device)
         prompt_lp = [s for s in plan if s.req.params.prompt_logprobs_from is not None and s.start < len(s.req.prompt_ids)]
+        prefetch([s.req.constraint for s in plan if s.req.constraint is not None and s.samples])  # beside the forward
         try:
             logits = self.model.forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
         except Exception as e:  # the model failed: fail this step's requests, keep serving
@@ -238,12 +242,12 @@ class EngineLoop:
             if error is None:
                 kept.append(i)
             else:
-                req.error_param = "regex"
+                req.error_param = req.constraint.kind
                 self._end([req], "error", error)
         if not kept:
             return
         reqs = [plan[i].req for i in kept]
-        rows = self.output.mask(logits[kept], reqs)
+        rows = self.output.process(logits[kept], reqs)
         result = self.sampler.sample(rows, [r.sampler for r in reqs])
         for j, req in enumerate(reqs):
             reason, flush = self.output.append(req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])

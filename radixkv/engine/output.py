@@ -57,19 +57,35 @@ class OutputProcessor:
             return None
         allowed = c.allowed()
         if c.error is not None or not bool(allowed[:vocab].any()):
-            return f"regex: the constraint failed: {c.error or 'no token can continue'}"
+            return f"{c.kind}: the constraint failed: {c.error or 'no token can continue'}"
         return None
 
-    @staticmethod
-    def mask(rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """``rows`` (one per request) with each constrained request's disallowed tokens
-        at -inf: a copy when any request is constrained, else ``rows`` itself."""
-        if all(r.constraint is None for r in reqs):
+    def process(self, rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """``rows`` (one per request) as the requests' logits processors leave them:
+        ``logit_bias`` added, end-of-sequence and stop token ids at -inf until
+        ``min_tokens`` are out, each constrained request's disallowed tokens at -inf.
+        A copy when any of them applies, else ``rows`` itself."""
+        busy = [j for j, r in enumerate(reqs) if r.constraint is not None or r.params.logit_bias
+                or len(r.output_ids) < r.params.min_tokens]  # fmt: skip
+        if not busy:
             return rows
         rows = rows.clone()
-        for j, r in enumerate(reqs):
+        V = rows.shape[1]
+        ninf = float("-inf")
+        for j in busy:
+            r, p = reqs[j], reqs[j].params
+            if p.logit_bias:
+                ids = torch.tensor([t for t, _ in p.logit_bias if t < V], dtype=torch.long, device=rows.device)
+                bias = torch.tensor([b for t, b in p.logit_bias if t < V], dtype=rows.dtype, device=rows.device)
+                rows[j].index_add_(0, ids, bias)
+            if len(r.output_ids) < p.min_tokens:
+                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < V]
+                rows[j, banned] = ninf
             if r.constraint is not None:
-                rows[j].masked_fill_(~r.constraint.allowed().to(rows.device), float("-inf"))
+                allowed = r.constraint.allowed()[:V].to(rows.device)
+                if len(r.output_ids) < p.min_tokens and not bool((allowed & torch.isfinite(rows[j])).any()):
+                    rows[j] = torch.where(allowed, rows[j].nan_to_num(neginf=-1e30), rows[j])  # the grammar ends here
+                rows[j].masked_fill_(~allowed, ninf)
         return rows
 
     # -- after sampling ----------------------------------------------------------------------

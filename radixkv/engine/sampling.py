@@ -43,6 +43,7 @@ MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries, as OpenAI's limit (300) and vLLM's
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / 1e-45 overflow float32)
 MAX_REPETITION_PENALTY = 10.0
@@ -98,6 +99,12 @@ class SamplingParams:
     prompt_logprobs_from: int | None = None
     skip_special_tokens: bool = True
     regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    choices: tuple[str, ...] | None = None
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0
+    priority: int = 0
     kv_policy: str | None = None
     kv_budget: int | float | None = None
     kv_compress_at: int | None = None
@@ -135,10 +142,19 @@ class SamplingParams:
             check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_policy(self.kv_policy, self.kv_budget, self.kv_compress_at, self.kv_rerotate)
-        if self.regex is not None:
-            from radixkv.engine.constrain import check_regex
+        grammars = [k for k in ("regex", "json_schema", "ebnf", "choices") if getattr(self, k) is not None]
+        if len(grammars) > 1:
+            raise FieldError(grammars[1], f"one constraint per request: got {' and '.join(grammars)}")
+        if grammars:
+            from radixkv.engine.constrain import check_grammar
 
-            check_regex(self.regex)
+            spec = check_grammar(grammars[0], getattr(self, grammars[0]))
+            setf(self, grammars[0], spec.source)  # json_schema as JSON text, choices as a tuple
+        setf(self, "logit_bias", self._normalise_logit_bias(self.logit_bias))
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_new_tokens:
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        check_int("priority", self.priority, -(2**31), 2**31 - 1)
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:
@@ -167,6 +183,40 @@ class SamplingParams:
             if not is_int(t) or t < 0:
                 raise FieldError("stop_token_ids", f"stop_token_ids[{i}] must be an int >= 0, got {t!r}")
         return tuple(ids)
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
+        """OpenAI's logit_bias: token id (an int, or its decimal string as JSON keys are)
+        -> a bias in [-100, 100] added to the logit; kept as sorted (id, bias) pairs,
+        None when empty."""
+        if bias is None:
+            return None
+        if isinstance(bias, tuple):
+            bias = dict(bias)
+        if not isinstance(bias, dict):
+            raise FieldError("logit_bias", f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise FieldError("logit_bias", f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        out = {}
+        for key, value in bias.items():
+            tid = int(key) if isinstance(key, str) and key.isdigit() else key
+            if not is_int(tid) or tid < 0:
+                raise FieldError("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+            try:
+                out[int(tid)] = check_float(f"logit_bias[{key}]", value, -100.0, 100.0)
+            except FieldError as e:
+                raise FieldError("logit_bias", str(e)) from None
+        return tuple(sorted(out.items())) or None
+
+    @property
+    def grammar(self):
+        """The request's constraint as a ``GrammarSpec`` (constrain.py), or None."""
+        from radixkv.engine.constrain import GrammarSpec
+
+        for kind in ("regex", "json_schema", "ebnf", "choices"):
+            if getattr(self, kind) is not None:
+                return GrammarSpec(kind, getattr(self, kind))
+        return None
 
     @property
     def is_greedy(self) -> bool:

@@ -2,12 +2,14 @@
 
 Each step spends one token budget. Running sequences go first, one token each when
 decoding or their next prefill chunk; waiting requests are then admitted, longest
-cached prefix first while the queue is short (first come, first served beyond that),
+highest ``priority`` first, then longest cached prefix while the queue is short (first
+come, first served beyond that),
 skipping for one step a request whose uncached prefix another admission is about to
 compute. There is no separate decode phase: a step's batch mixes all of these.
 
 Memory: pages come from the pool; when it runs short, unlocked tree leaves are evicted
-first, then the most recently admitted running request is preempted: its computed pages
+first, then the running request of the lowest priority (the most recently admitted
+among equals) is preempted: its computed pages
 go into the tree (so its recompute is mostly a cache hit) and it waits again.
 
 Cache lifecycle of a request (``KVCacheManager`` runs it):
@@ -105,7 +107,9 @@ class Scheduler:
         cached: dict[int, int] = {}
         if self.kv.tree is not None and len(order) <= CACHE_AWARE_QUEUE_LIMIT:
             cached = {id(r): self.kv.cached_len(r.tokens, r.kv.namespace) for r in order}
-            order.sort(key=lambda r: -cached[id(r)])  # stable: FCFS among equals
+            order.sort(key=lambda r: (-r.params.priority, -cached[id(r)]))  # stable: FCFS among equals
+        elif any(r.params.priority for r in order):
+            order.sort(key=lambda r: -r.params.priority)
         admitted: list[Request] = []
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -144,13 +148,13 @@ class Scheduler:
         return any(o.kv.namespace == req.kv.namespace and o.tokens[:end] == mine for o in admitted)
 
     def _preempt_one(self, req: Request, plan: list[ScheduledSeq]) -> bool:
-        """Make room for ``req`` by preempting the most recently admitted other running
-        request; False when there is none."""
-        for other in reversed(self.running):
-            if other is not req:
-                self.preempt(other, plan)
-                return True
-        return False
+        """Make room for ``req`` by preempting the other running request of the lowest
+        priority, the most recently admitted among equals; False when there is none."""
+        others = [(o.params.priority, -i) for i, o in enumerate(self.running) if o is not req]
+        if not others:
+            return False
+        self.preempt(self.running[-min(others)[1]], plan)
+        return True
 
     def preempt(self, req: Request, plan: list[ScheduledSeq]) -> None:
         """Free ``req``'s memory and queue it again at the front; it recomputes later
