@@ -5,6 +5,7 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     POST /v1/completions        OpenAI completions (streaming with SSE)
     POST /v1/chat/completions   OpenAI chat completions (the model's chat template)
     GET  /v1/models             the one served model
+    GET  /v1/models/{model}     its card (404 for another id)
     POST /generate              native: text or input_ids, SamplingParams by name
     POST /flush_cache           empty the prefix cache: pool and host tier; ?tiers=device|host|store|all
                                 (409 while requests run)
@@ -13,8 +14,14 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     GET  /stats                 Engine.stats() as JSON
     GET  /debug/integrity       pool and tree invariants (500 if broken)
     GET  /model_info            context length, vocabulary, EOS ids, page size
-    POST /tokenize              text -> token ids (what program frontends build prompts from)
+    POST /tokenize              text -> token ids (what program frontends build prompts from); also
+                                vLLM's body: a prompt, or messages rendered by the chat template
+    POST /detokenize            token ids -> text (vLLM's body)
     POST /render_chat           messages -> the chat template's text and the prompt's token ids
+    GET  /openapi.json          an OpenAPI 3.1 document of these routes, from protocol's Structs
+
+With ``allowed_origins`` set (CORS), a browser's preflight (OPTIONS) is answered without
+the key, and responses to an allowed origin carry Access-Control-Allow-Origin.
 
 In chat requests, special-token text inside messages (``<|im_end|>``) is tokenized as plain
 text, never as role markers, unless the request sets ``special_tokens_in_content``; raw
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,14 +48,19 @@ import msgspec
 from radixkv.cache.manager import check_flush_tiers
 from radixkv.engine.engine import Engine, RequestStream
 from radixkv.engine.request import RequestOutput, StreamChunk
+from radixkv.engine.sampling import MAX_N
 from radixkv.errors import FieldError, IntegrityError
 from radixkv.server import protocol as P
 from radixkv.server.metrics import CONTENT_TYPE, Metrics
+from radixkv.server.tools import ToolSpec, ToolStream, generic_messages, parse_tool_calls, tool_format, tool_grammar, tool_spec
 from radixkv.validate import check_int
 
 logger = logging.getLogger("radixkv.server")
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+_ORIGIN = r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+"  # a CORS origin: scheme://host[:port]
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # an HTTP method or header name
+CORS_SAFELISTED = ("accept", "accept-language", "content-language", "content-type")  # always allowed
 
 
 @dataclass(frozen=True)
@@ -63,12 +76,29 @@ class ServerConfig:
     cache_salt_header_only: bool = False  # refuse a body cache_salt: only a gateway's X-Cache-Salt counts
     graceful_shutdown_seconds: float = 10.0
     log_level: str = "info"
+    # CORS (browsers): origins whose pages may call the server ("*": any); none: no CORS
+    # headers at all. Methods and headers a preflight may ask for ("*": any).
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_fanout"):
             check_int(name, getattr(self, name), 1)
         if not self.graceful_shutdown_seconds >= 0:
             raise ValueError(f"graceful_shutdown_seconds must be >= 0, got {self.graceful_shutdown_seconds!r}")
+        origin = lambda v: v.lower().removesuffix("/")  # noqa: E731  (browsers send it lower-case, no slash)
+        for name, pattern, normal in (("allowed_origins", _ORIGIN, origin), ("allowed_methods", _TOKEN, str.upper),
+                                      ("allowed_headers", _TOKEN, str.lower)):  # fmt: skip
+            values = getattr(self, name)
+            if isinstance(values, str) or not all(isinstance(v, str) for v in values):
+                raise ValueError(f"{name} must be a list of strings, got {values!r}")
+            values = tuple(normal(v) for v in values)
+            bad = [v for v in values if v != "*" and not re.fullmatch(pattern, v)]
+            if bad:
+                what = "scheme://host[:port], no path" if name == "allowed_origins" else "an HTTP token"
+                raise ValueError(f"{name}: {bad[0]!r} is not '*' or {what}")
+            object.__setattr__(self, name, values)
 
 
 class ClientGone(Exception):
@@ -219,6 +249,7 @@ class Server:
         self.config = config or ServerConfig()
         self.model_name = self.config.served_model_name or engine.config.model
         self.metrics = Metrics(engine)
+        self.tool_format = tool_format(engine.tokenizer.chat_template)  # hermes or generic (tools.py)
         self.created = int(time.time())
         self.draining = False  # set on SIGINT/SIGTERM: new requests get 503
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,8 +266,14 @@ class Server:
             ("GET", "/model_info"): self.model_info,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/render_chat"): self.render_chat,
+            ("POST", "/detokenize"): self.detokenize,
+            ("GET", "/v1/models/{model}"): self.model_card,
+            ("GET", "/openapi.json"): self.openapi,
         }
         self.paths = {path for _, path in self.routes}
+        # a path with a parameter matches any request path that goes on after its prefix
+        self.templates = {path.split("{", 1)[0]: path for path in self.paths if "{" in path}
+        self._openapi: bytes | None = None  # /openapi.json, built on its first request
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -245,14 +282,17 @@ class Server:
             return
         http = Http(scope, receive, send, self.config.max_body_bytes)
         path, method = scope["path"], scope["method"]
-        endpoint = path if path in self.paths else "other"
+        route = self._route(path)
+        endpoint = route or "other"
         try:
-            handler = self.routes.get((method, path))
+            if self.config.allowed_origins and "origin" in http.headers and self._cors(http):
+                return await self._preflight(http)  # before auth: browsers send no credentials on it
+            handler = self.routes.get((method, route))
             if handler is None:
-                if path in self.paths:
+                if route is not None:
                     raise P.ApiError(405, f"{method} is not allowed on {path}")
                 raise P.ApiError(404, f"no such route: {path}", type="not_found_error")
-            if path != "/health":
+            if route != "/health":
                 self._authorize(http)
             if self.draining and method == "POST":
                 raise P.ApiError(503, "the server is shutting down", type="unavailable")
@@ -268,6 +308,73 @@ class Server:
             self.metrics.errors.labels(endpoint, "500").inc()
             if not http.gone:
                 await http.error(P.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error"))
+
+    def _route(self, path: str) -> str | None:
+        """The route ``path`` belongs to (``/v1/models/{model}`` for ``/v1/models/x``), or None."""
+        if path in self.paths:
+            return path
+        for prefix, template in self.templates.items():
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return template
+        return None
+
+    # -- CORS --------------------------------------------------------------------------------
+
+    def _cors(self, http: Http) -> bool:
+        """A request with an Origin header while ``allowed_origins`` is set. A preflight
+        (OPTIONS with Access-Control-Request-Method): True, for ``_preflight``. Otherwise
+        the response gets Access-Control-Allow-Origin if the origin is allowed (errors
+        and streams included); other origins get no CORS headers (the browser then
+        withholds the answer from the page)."""
+        if http.scope["method"] == "OPTIONS" and "access-control-request-method" in http.headers:
+            return True
+        extra = self._allow_origin(http.headers["origin"])
+        if extra:
+            send = http.send_raw
+
+            async def send_with_cors(msg):
+                if msg["type"] == "http.response.start":
+                    msg = {**msg, "headers": [*msg.get("headers", ()), *extra]}
+                await send(msg)
+
+            http.send_raw = send_with_cors
+        return False
+
+    def _allow_origin(self, origin: str) -> list[tuple[bytes, bytes]]:
+        """The headers that let ``origin`` read responses; [] if it may not."""
+        if "*" in self.config.allowed_origins:
+            return [(b"access-control-allow-origin", b"*")]
+        if origin.lower() in self.config.allowed_origins:
+            return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+        return []
+
+    async def _preflight(self, http: Http) -> None:
+        """Answer a CORS preflight: 204 with the Access-Control-* headers when the origin,
+        the method and the headers it asks for are allowed, else a JSON 403 without them."""
+        c = self.config
+        allow = self._allow_origin(http.headers["origin"])
+        if not allow:
+            raise P.ApiError(403, f"origin {http.headers['origin']!r} is not allowed (--allowed-origins)",
+                             type="cors_error")  # fmt: skip
+        served = sorted({m for m, _ in self.routes} | {"OPTIONS"})
+        methods = served if "*" in c.allowed_methods else list(c.allowed_methods)
+        method = http.headers["access-control-request-method"].strip().upper()
+        if method not in methods:
+            raise P.ApiError(403, f"method {method} is not allowed here: {', '.join(methods)}", type="cors_error")
+        asked = [h.strip().lower() for h in http.headers.get("access-control-request-headers", "").split(",")]
+        asked = [h for h in asked if h]
+        if "*" in c.allowed_headers:
+            headers = asked  # any: echo them (a literal "*" would not cover Authorization)
+        else:
+            headers = [*CORS_SAFELISTED, *(h for h in c.allowed_headers if h not in CORS_SAFELISTED)]
+            refused = [h for h in asked if h not in headers]
+            if refused:
+                raise P.ApiError(403, f"request headers not allowed here: {', '.join(refused)}", type="cors_error")
+        out = [*allow, (b"access-control-allow-methods", ", ".join(methods).encode()),
+               (b"access-control-max-age", b"600")]  # fmt: skip
+        if headers:
+            out.append((b"access-control-allow-headers", ", ".join(headers).encode("latin-1")))
+        await http.send(204, b"", out)
 
     async def _lifespan(self, receive, send) -> None:
         while True:
@@ -359,22 +466,31 @@ class Server:
             raise P.ApiError(400, f"{prompts} prompts x n={n} is {prompts * n} completions; the limit per call is "
                                   f"{self.config.max_fanout}", param)  # fmt: skip
 
-    async def _constraints(self, params, count: int) -> list:
-        """``count`` independent compiled constraints of ``params.regex`` (Nones without
-        one), compiled in a worker thread: a large pattern must not stall the loop."""
-        if params.regex is None:
+    async def _constraints(self, params, count: int, names: dict[str, str] | None = None) -> list:
+        """``count`` independent compiled constraints of ``params.grammar`` (Nones without
+        one), compiled in a worker thread: a large grammar must not stall the loop."""
+        names = names or {}
+        if params.grammar is None:
             return [None] * count
         try:
             first = await asyncio.to_thread(self.engine.compile_constraint, params)
-        except ValueError as e:
-            raise P.ApiError(400, str(e), "regex") from None
+        except FieldError as e:
+            raise P.ApiError(400, str(e), names.get(e.field, e.field)) from None
         return [first] + [first.copy() for _ in range(count - 1)]
 
-    def _render(self, req, add_generation_prompt: bool, ids: bool = False) -> str | list[int]:
+    def _render(self, req, add_generation_prompt: bool, ids: bool = False, tools: ToolSpec | None = None):
         """The chat's text, or with ``ids`` its prompt ids, in which special-token text from
-        the messages stays plain text unless ``req.special_tokens_in_content``."""
+        the messages stays plain text unless ``req.special_tokens_in_content``. The tools
+        go to a template with a tool format, else into the messages (tools.py)."""
         messages = P.chat_messages(req)
-        extra = {"tools": req.tools} if req.tools else {}
+        if tools is None and req.tools:  # /render_chat, /tokenize: the tools as a chat request would send them
+            tools = tool_spec(req.tools, None, None)
+        extra = {}
+        if self.tool_format == "hermes":
+            if tools is not None and tools.active:
+                extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]}
+        else:
+            messages = generic_messages(messages, tools)
         try:
             if ids:
                 return self.engine.chat_prompt_ids(messages, add_generation_prompt, req.special_tokens_in_content,
@@ -402,14 +518,18 @@ class Server:
     async def completions(self, http: Http) -> None:
         req = await http.json(P.CompletionRequest)
         self._check_model(req.model)
+        P.check_unsupported(req)
         prompts = P.prompts(req)
-        self._check_fanout(len(prompts), req.n)
+        best_of = self._best_of(req)
+        self._check_fanout(len(prompts), best_of or req.n)
         ids = [await self._prompt_ids(p, "prompt", req.kv_policy is not None, req.kv_rerotate is True) for p in prompts]
         fields = P.openai_fields(req)
         fields["max_new_tokens"] = self._max_tokens(req.max_tokens, max(map(len, ids)), "max_tokens",
                                                     req.kv_rerotate is True)  # fmt: skip
         if req.logprobs is not None:
             fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
+        if best_of:  # rank by the sampled tokens' logprobs
+            fields["n"], fields["logprobs"] = best_of, True
         params = P.sampling_params(fields, P.OPENAI_NAMES)
         self._check_policy(params, ids)
         ns = self._namespace(http, req.cache_salt)
@@ -417,22 +537,39 @@ class Server:
         echo = [self.engine.decode(i) if req.echo else "" for i in ids]
         rid, created = self._ids()
         rid = "cmpl-" + rid
+        self._log_user(rid, req)
         if req.stream:
             return await self._stream_completions(http, req, ids, params, ns, echo, rid, created, cons)
         outs = await http.run(asyncio.gather(*(self.engine.generate_async(i, params, ns, c) for i, c in zip(ids, cons))))
         for out in outs:
             self.metrics.finished("/v1/completions", out, ns)
             self._check_output(out)
+        picked = [_best(out.outputs, req.n) if best_of else out.outputs for out in outs]
         choices = [
-            P.CompletionChoice(p * params.n + j, echo[p] + o.text,
+            P.CompletionChoice(p * req.n + j, echo[p] + o.text,
                                self._completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, req.logprobs,
                                                          len(echo[p])),
                                o.finish_reason)  # fmt: skip
-            for p, out in enumerate(outs)
-            for j, o in enumerate(out.outputs)
+            for p, chosen in enumerate(picked)
+            for j, o in enumerate(chosen)
         ]
         body = P.CompletionResponse(rid, created, self.model_name, choices, _usage(outs))
         await http.send(200, P.encode(body))
+
+    @staticmethod
+    def _best_of(req) -> int | None:
+        """``best_of`` when it asks for more than ``n`` samples (None otherwise), checked."""
+        if req.best_of is None:
+            return None
+        if not isinstance(req.best_of, int) or req.best_of < max(req.n, 1):
+            raise P.ApiError(400, f"best_of must be an int >= n ({req.n}), got {req.best_of!r}", "best_of")
+        if req.best_of > MAX_N:
+            raise P.ApiError(400, f"best_of must be at most {MAX_N}, got {req.best_of}", "best_of")
+        if req.best_of == req.n:
+            return None
+        if req.stream:
+            raise P.ApiError(400, "best_of > n cannot be streamed (the best are known at the end)", "best_of")
+        return req.best_of
 
     def _completion_logprobs(self, ids, logprobs, tops, k, offset) -> P.CompletionLogprobs | None:
         if k is None or logprobs is None:
@@ -487,8 +624,10 @@ class Server:
     async def chat_completions(self, http: Http) -> None:
         req = await http.json(P.ChatCompletionRequest)
         self._check_model(req.model)
+        P.check_unsupported(req)
         self._check_fanout(1, req.n)
-        ids = await asyncio.to_thread(self._render, req, True, True)  # a long chat or tool schema: off the loop
+        tools = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls)
+        ids = await asyncio.to_thread(self._render, req, True, True, tools)  # a long chat or tool schema: off the loop
         ids = await self._prompt_ids(ids, "messages", req.kv_policy is not None, req.kv_rerotate is True)
         fields = P.openai_fields(req)
         limit, param = req.max_completion_tokens, "max_completion_tokens"
@@ -498,24 +637,76 @@ class Server:
         fields["logprobs"] = req.logprobs
         if req.top_logprobs is not None:
             fields["top_logprobs"] = req.top_logprobs
-        params = P.sampling_params(fields, {"max_new_tokens": param})
+        names = {"max_new_tokens": param, **self._structured(req, tools, fields)}
+        params = P.sampling_params(fields, names)
         self._check_policy(params, [ids])
         ns = self._namespace(http, req.cache_salt)
-        (constraint,) = await self._constraints(params, 1)
+        (constraint,) = await self._constraints(params, 1, names)
         rid, created = self._ids()
         rid = "chatcmpl-" + rid
+        self._log_user(rid, req)
+        calling = tools is not None and tools.active
         if req.stream:
-            return await self._stream_chat(http, req, ids, params, ns, rid, created, constraint)
+            return await self._stream_chat(http, req, ids, params, ns, rid, created, constraint, calling)
         out = await http.run(self.engine.generate_async(ids, params, ns, constraint))
         self.metrics.finished("/v1/chat/completions", out, ns)
         self._check_output(out)
-        choices = [
-            P.ChatChoice(j, P.AssistantMessage(o.text), self._chat_logprobs(o.token_ids, o.logprobs, o.top_logprobs),
-                         o.finish_reason)  # fmt: skip
-            for j, o in enumerate(out.outputs)
-        ]
+        choices = []
+        for j, o in enumerate(out.outputs):
+            content, calls, reason = o.text, None, o.finish_reason
+            if calling:
+                content, found = parse_tool_calls(o.text)
+                if found:
+                    calls = [P.ToolCall(c["id"], P.FunctionCall(**c["function"])) for c in found]
+                    reason = "tool_calls" if reason == "stop" else reason
+            lp = self._chat_logprobs(o.token_ids, o.logprobs, o.top_logprobs)
+            choices.append(P.ChatChoice(j, P.AssistantMessage(content, "assistant", calls), lp, reason))
         body = P.ChatCompletionResponse(rid, created, self.model_name, choices, _usage([out]))
         await http.send(200, P.encode(body))
+
+    @staticmethod
+    def _structured(req, tools: ToolSpec | None, fields: dict) -> dict[str, str]:
+        """Put the constraint of ``response_format`` or of tool calling into ``fields``
+        (json_schema / ebnf); the API's names for them, for errors."""
+        rf = req.response_format
+        if rf is not None and rf.type not in ("text", "json_object", "json_schema"):
+            raise P.ApiError(400, f'response_format.type must be "text", "json_object" or "json_schema", got {rf.type!r}',
+                             "response_format.type")  # fmt: skip
+        structured = rf is not None and rf.type != "text"
+        if tools is not None and tools.active:
+            if structured:
+                raise P.ApiError(400, "response_format and tools (with tool_choice other than \"none\") cannot be "
+                                      "combined: a tool call's arguments already follow the tool's schema",
+                                 "response_format")  # fmt: skip
+            if any(k in fields for k in ("regex", "json_schema", "ebnf")):
+                raise P.ApiError(400, "tools cannot be combined with regex, json_schema or ebnf", "tools")
+            fields["ebnf"] = tool_grammar(tools)
+            return {"ebnf": "tools"}
+        if not structured:
+            return {}
+        if any(k in fields for k in ("regex", "json_schema", "ebnf")):
+            raise P.ApiError(400, "response_format cannot be combined with regex, json_schema or ebnf", "response_format")
+        if rf.type == "json_object":
+            fields["json_schema"] = {"type": "object"}
+            return {"json_schema": "response_format"}
+        js = rf.json_schema
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+            raise P.ApiError(400, 'response_format.json_schema must be {"name": ..., "schema": {...}, "strict": ...}',
+                             "response_format.json_schema")  # fmt: skip
+        unknown = set(js) - {"name", "description", "schema", "strict"}
+        if unknown:
+            raise P.ApiError(400, f"response_format.json_schema has unknown field(s): {', '.join(sorted(unknown))}",
+                             "response_format.json_schema")  # fmt: skip
+        if "strict" in js and not isinstance(js["strict"], bool):
+            raise P.ApiError(400, "response_format.json_schema.strict must be a bool", "response_format.json_schema.strict")
+        fields["json_schema"] = js.get("schema", {"type": "object"})  # strict or not, the output follows it
+        return {"json_schema": "response_format.json_schema.schema"}
+
+    def _log_user(self, rid: str, req) -> None:
+        labels = {k: getattr(req, k, None) for k in ("user", "safety_identifier", "prompt_cache_key")}
+        labels = {k: v for k, v in labels.items() if v is not None}
+        if labels:
+            logger.info("%s %s", rid, " ".join(f"{k}={v!r}" for k, v in labels.items()))
 
     def _chat_logprobs(self, ids, logprobs, tops) -> P.ChatLogprobs | None:
         if logprobs is None:
@@ -527,8 +718,9 @@ class Server:
             content.append(P.TokenLogprob(text, lp, list(text.encode()), top))
         return P.ChatLogprobs(content)
 
-    async def _stream_chat(self, http, req, ids, params, ns, rid, created, constraint) -> None:
+    async def _stream_chat(self, http, req, ids, params, ns, rid, created, constraint, calling=False) -> None:
         stream = self.engine.open_stream(ids, params, ns, constraint)
+        splitters = [ToolStream() for _ in range(params.n)] if calling else None
 
         def chunk(choices, usage=None):
             return P.ChatCompletionChunk(rid, created, self.model_name, choices, usage)
@@ -539,13 +731,33 @@ class Server:
                 await http.event(P.encode(chunk([P.ChunkChoice(j, P.Delta(role="assistant", content=""))])))
             async for _, c in merged([stream]):
                 lp = self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
-                await http.event(P.encode(chunk([P.ChunkChoice(c.index, P.Delta(content=c.text), lp, c.finish_reason)])))
+                delta, reason = P.Delta(content=c.text), c.finish_reason
+                if splitters is not None:
+                    split = splitters[c.index]
+                    before = split.calls
+                    text, calls = split.feed(c.text, final=reason is not None)
+                    delta = P.Delta(content=text or None, tool_calls=[
+                        P.DeltaToolCall(before + k, call["id"], P.FunctionCall(**call["function"]))
+                        for k, call in enumerate(calls)
+                    ] or None)  # fmt: skip
+                    if reason == "stop" and split.calls:
+                        reason = "tool_calls"
+                    if delta.content is None and delta.tool_calls is None and reason is None and lp is None:
+                        continue
+                await http.event(P.encode(chunk([P.ChunkChoice(c.index, delta, lp, reason)])))
             await self._finish_stream(http, "/v1/chat/completions", [stream], ns, req, lambda u: chunk([], u))
 
         await http.run(pump())
 
     async def models(self, http: Http) -> None:
         await http.send(200, P.encode(P.ModelList([P.ModelCard(self.model_name, self.created)])))
+
+    async def model_card(self, http: Http) -> None:
+        """GET /v1/models/{model}: the served model's card; any other id is a 404
+        (``model_not_found``), as OpenAI answers. An id with a ``/`` arrives percent-encoded
+        and ASGI's path has it decoded."""
+        self._check_model(http.scope["path"].removeprefix("/v1/models/"))
+        await http.send(200, P.encode(P.ModelCard(self.model_name, self.created)))
 
     # -- native ---------------------------------------------------------------------------
 
@@ -611,7 +823,7 @@ class Server:
             raise P.ApiError(400, str(e), param=e.field) from None
         if not await asyncio.to_thread(self.engine.flush_cache, tiers):
             raise P.ApiError(409, "the cache was not flushed: requests are running or waiting", type="conflict")
-        await http.send(200, P.encode({"flushed": True}))
+        await http.send(200, P.encode(P.FlushResponse(True)))
 
     async def prometheus(self, http: Http) -> None:
         await http.send(200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())])
@@ -619,7 +831,7 @@ class Server:
     async def health(self, http: Http) -> None:
         if not self.engine.is_alive():
             raise P.ApiError(503, "the engine thread has stopped", type="unavailable")
-        await http.send(200, P.encode({"status": "ok"}))
+        await http.send(200, P.encode(P.HealthResponse()))
 
     async def stats(self, http: Http) -> None:
         await http.send(200, P.encode(await asyncio.to_thread(self.engine.stats)))
@@ -630,9 +842,59 @@ class Server:
         await http.send(200, P.encode(info))
 
     async def tokenize(self, http: Http) -> None:
+        """radixkv's body (``text``) or vLLM's (``prompt``, or ``messages`` rendered by the
+        chat template into the prompt ids a chat request would use); the answer carries
+        radixkv's ``tokens`` and vLLM's ``count``, ``max_model_len`` and ``token_strs``."""
         req = await http.json(P.TokenizeRequest)
-        ids = await asyncio.to_thread(self.engine.encode, req.text, req.add_special_tokens, req.split_special_tokens)
-        await http.send(200, P.encode({"tokens": ids}))
+        given = [name for name in ("text", "prompt", "messages") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise P.ApiError(400, "give exactly one of text, prompt and messages", given[1] if given else "text")
+        if req.model is not None:
+            self._check_model(req.model)
+        ids = await asyncio.to_thread(self._tokenize, req)
+        strs = [self.engine.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+        await http.send(200, P.encode(P.TokenizeResponse(ids, len(ids), self.engine.max_context, strs)))
+
+    def _tokenize(self, req: P.TokenizeRequest) -> list[int]:
+        if req.messages is None:
+            special = req.add_special_tokens if req.add_special_tokens is not None else req.prompt is not None
+            text = req.text if req.text is not None else req.prompt
+            return self.engine.encode(text, special, req.split_special_tokens)
+        if req.split_special_tokens:
+            raise P.ApiError(400, "split_special_tokens is for text and prompt; special-token text in messages "
+                                  "is plain text unless special_tokens_in_content", "split_special_tokens")  # fmt: skip
+        ids = self._render(req, req.add_generation_prompt, True)
+        if req.add_special_tokens:  # vLLM: what the tokenizer adds around a sequence, on top of the template
+            plain, full = self.engine.encode("a", False), self.engine.encode("a", True)
+            at = next(i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain)
+            ids = full[:at] + ids + full[at + len(plain) :]
+        return ids
+
+    async def detokenize(self, http: Http) -> None:
+        """vLLM's /detokenize: ``tokens`` -> ``prompt`` (special tokens kept as text)."""
+        req = await http.json(P.DetokenizeRequest)
+        if req.model is not None:
+            self._check_model(req.model)
+        vocab = self.engine.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise P.ApiError(400, f"tokens[{bad}] is {req.tokens[bad]}, outside the vocabulary (0 to {vocab - 1})",
+                             "tokens")  # fmt: skip
+        try:
+            text = await asyncio.to_thread(self.engine.decode, req.tokens)
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+            raise P.ApiError(400, f"tokens cannot be decoded: {e}", "tokens") from None
+        await http.send(200, P.encode(P.DetokenizeResponse(text)))
+
+    async def openapi(self, http: Http) -> None:
+        """The OpenAPI document of every route (``radixkv.server.openapi``)."""
+        if self._openapi is None:
+            from radixkv import package_version
+            from radixkv.server.openapi import document
+
+            doc = document(self.routes, "radixkv", package_version(), self.config.api_key is not None)
+            self._openapi = P.encode(doc)
+        await http.send(200, self._openapi)
 
     async def render_chat(self, http: Http) -> None:
         """``text``: the template's text. Tokenized as a whole it would parse special-token
@@ -642,14 +904,22 @@ class Server:
         req = await http.json(P.RenderChatRequest)
         text = await asyncio.to_thread(self._render, req, req.add_generation_prompt)
         ids = await asyncio.to_thread(self._render, req, req.add_generation_prompt, True)
-        await http.send(200, P.encode({"text": text, "tokens": ids}))
+        await http.send(200, P.encode(P.RenderChatResponse(text, ids)))
 
     async def integrity(self, http: Http) -> None:
         try:
             await asyncio.to_thread(self.engine.check_integrity)
         except IntegrityError as e:
             raise P.ApiError(500, f"integrity check failed: {e}", type="integrity_error") from None
-        await http.send(200, P.encode({"ok": True}))
+        await http.send(200, P.encode(P.IntegrityResponse(True)))
+
+
+def _best(outputs, n: int) -> list:
+    """The ``n`` outputs of highest mean token logprob (OpenAI's best_of), best first."""
+    def score(o):
+        return sum(o.logprobs) / len(o.logprobs) if o.logprobs else float("-inf")
+
+    return sorted(outputs, key=score, reverse=True)[:n]
 
 
 def _usage(outs: list[RequestOutput]) -> P.Usage:

@@ -45,14 +45,18 @@ class ErrorResponse(Struct):
 # -- OpenAI requests ---------------------------------------------------------------------
 
 
-class StreamOptions(Struct):
+class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool = False  # radixkv's chunks carry no obfuscation padding: only False is honoured
 
 
-class _Sampling(Struct, kw_only=True):
+class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields every OpenAI-style request shares, with vLLM's and SGLang's extensions
-    (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, cache_salt, regex), and
-    radixkv's long-context policy (kv_policy, kv_budget, kv_compress_at, kv_rerotate)."""
+    (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+    cache_salt, regex, json_schema, ebnf, priority), and radixkv's long-context policy
+    (kv_policy, kv_budget, kv_compress_at, kv_rerotate). An unknown field is a 400
+    naming it; a field the OpenAI API defines that radixkv cannot honour is a 400 too
+    (``unsupported``), never silently dropped."""
 
     model: str
     temperature: float | None = None
@@ -64,7 +68,8 @@ class _Sampling(Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user label: in the request log line
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -72,7 +77,11 @@ class _Sampling(Struct, kw_only=True):
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True
     cache_salt: str | None = None
-    regex: str | None = None  # constrained decoding (SGLang's field name)
+    min_tokens: int = 0  # no EOS / stop token ids before this many tokens (vLLM)
+    priority: int = 0  # higher first: scheduling, preemption, and the priority eviction policy
+    regex: str | None = None  # constrained decoding (SGLang's field names)
+    json_schema: Union[str, dict[str, Any], None] = None
+    ebnf: str | None = None
     kv_policy: str | None = None  # long-context eviction (radixkv.cache.compress)
     kv_budget: Union[int, float, None] = None  # tokens kept, or a ratio in (0, 1)
     kv_compress_at: int | None = None  # prompt tokens compressed once after their prefill
@@ -84,6 +93,15 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None  # how many top tokens per position (0: only the chosen one)
     echo: bool = False
+    best_of: int | None = None  # sample this many, answer the n of highest mean token logprob
+    suffix: str | None = None  # unsupported: a 400 unless null
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class TextPart(Struct):
@@ -106,9 +124,61 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # Special-token text in messages (``<|im_end|>``) is plain text by default; True makes
     # it real special tokens (role markers), as the rendered template's text tokenizes.
     special_tokens_in_content: bool = False
+    # Accepted with their only meaning here: radixkv caches every prompt (prompt_cache_key
+    # has nothing to route), safety_identifier labels the request like ``user``, the one
+    # service tier is "auto"/"default", nothing is stored (store must be false).
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    modalities: list[str] | None = None  # ["text"] only
+    # Defined by the OpenAI API, not honoured by radixkv: a 400 naming them unless null.
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    metadata: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+UNSUPPORTED = {  # field -> why a non-null value is refused
+    "audio": "audio output is not supported (text models only)",
+    "functions": "functions is deprecated and not supported: use tools",
+    "function_call": "function_call is deprecated and not supported: use tool_choice",
+    "metadata": "metadata is for stored completions; radixkv stores none",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported (the model does not reason in a separate channel)",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+
+
+def check_unsupported(req) -> None:
+    """A 400 naming the first field the OpenAI API defines that radixkv cannot honour."""
+    for name, why in UNSUPPORTED.items():
+        if getattr(req, name, None) is not None:
+            raise ApiError(400, why, name)
+    if getattr(req, "store", None):
+        raise ApiError(400, "store: radixkv does not store completions", "store")
+    tier = getattr(req, "service_tier", None)
+    if tier not in (None, "auto", "default"):
+        raise ApiError(400, f'service_tier must be "auto" or "default", got {tier!r}', "service_tier")
+    modalities = getattr(req, "modalities", None)
+    if modalities is not None and list(modalities) != ["text"]:
+        raise ApiError(400, f'modalities must be ["text"], got {modalities!r}', "modalities")
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise ApiError(400, "stream_options.include_obfuscation is not supported", "stream_options.include_obfuscation")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options needs stream: true", "stream_options")
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -195,8 +265,11 @@ def openai_fields(req: _Sampling) -> dict:
         fields["top_p"] = req.top_p
     if req.stop is not None:
         fields["stop"] = req.stop
-    if req.regex is not None:
-        fields["regex"] = req.regex
+    for name in ("regex", "json_schema", "ebnf", "logit_bias"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    fields["min_tokens"] = req.min_tokens
+    fields["priority"] = req.priority
     for name in ("kv_policy", "kv_budget", "kv_compress_at", "kv_rerotate"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)
@@ -261,9 +334,31 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(Struct):
-    content: str
-    role: Literal["assistant"] = "assistant"
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    content: str | None
+    role: Literal["assistant"]  # no default: omit_defaults must not drop it
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaToolCall(Struct):
+    """A whole call in one streamed delta (OpenAI clients also accept the arguments in
+    pieces; radixkv sends each call once its block is complete)."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
 
 
 class ChatChoice(Struct):
@@ -285,6 +380,7 @@ class ChatCompletionResponse(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(Struct):
@@ -360,9 +456,21 @@ class GenerateChunk(Struct):
 
 
 class TokenizeRequest(Struct, forbid_unknown_fields=True):
-    text: str
-    add_special_tokens: bool = False
+    """Exactly one of ``text`` (radixkv's own), ``prompt`` (vLLM's name for it) or
+    ``messages`` (rendered by the chat template, as /render_chat and chat requests do)."""
+
+    text: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None  # checked when given, as in vLLM
+    # what the tokenizer adds around a sequence (a bos token); None: True for ``prompt``
+    # (vLLM's default), False for ``text`` and ``messages`` (the template has its markers)
+    add_special_tokens: bool | None = None
     split_special_tokens: bool = False  # special-token text in ``text`` as plain text (transformers' name)
+    add_generation_prompt: bool = True  # messages only, as the rest below
+    tools: list[dict[str, Any]] | None = None
+    special_tokens_in_content: bool = False
+    return_token_strs: bool = False  # vLLM: also each token's own string (``token_strs``)
 
 
 class RenderChatRequest(Struct, forbid_unknown_fields=True):
@@ -378,6 +486,48 @@ class ModelInfo(Struct):
     vocab_size: int
     eos_token_ids: list[int]
     page_size: int
+
+
+# -- tokenizer routes, small answers, OpenAPI ------------------------------------------------
+# The answers of the helper and control routes as Structs, so /openapi.json can describe
+# every route from this module.
+
+
+class TokenizeResponse(Struct):
+    """radixkv's ``tokens``, with vLLM's ``count``, ``max_model_len`` and ``token_strs``."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True):
+    """vLLM's body: token ids to text (special tokens included)."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class RenderChatResponse(Struct):
+    text: str
+    tokens: list[int]
+
+
+class HealthResponse(Struct):
+    status: str = "ok"
+
+
+class FlushResponse(Struct):
+    flushed: bool
+
+
+class IntegrityResponse(Struct):
+    ok: bool
 
 
 def encode(obj) -> bytes:
