@@ -22,6 +22,13 @@ special-token text is the special token.
 Each state runs its operations in order on its own worker thread: ``s += gen(...)``
 returns at once, reading ``s["name"]`` or ``s.text()`` waits. That is what lets the
 branches of ``s.fork(n)`` generate side by side.
+
+SGLang programs port as written: ``with s.user():`` blocks, ``gen(regex=...,
+json_schema=..., choices=...)``, ``select(choices_method=...)`` (``choices.py``),
+``forks += expr`` to every branch, ``fn.run(*args, temperature=..., max_new_tokens=...)``
+defaults, ``run_batch`` of dicts or tuples, ``s[name] = value``. With a text-level
+backend (``OpenAIBackend``) segments carry no token ids: the finished messages (or the
+text) are sent and the server tokenizes.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
-from radixkv.frontend.choices import ChoicesDecision, ChoicesSamplingMethod, token_length_normalized
+from radixkv.frontend.choices import ChoicesSamplingMethod, token_length_normalized
 
 
 class ProgramError(RuntimeError):
@@ -93,7 +100,8 @@ def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequ
         stop_token_ids: Sequence[int] | None = None, seed: int | None = None, regex: str | None = None,
         json_schema: str | dict | None = None, kv_policy: str | None = None, kv_budget: int | float | None = None,
         kv_compress_at: int | None = None, kv_rerotate: bool | None = None,
-        choices: Sequence[str] | None = None, choices_method: ChoicesSamplingMethod | None = None) -> Gen | Select:  # fmt: skip
+        choices: Sequence[str] | None = None,
+        choices_method: ChoicesSamplingMethod | None = None) -> Gen | Select:  # fmt: skip
     """Generate into the state; ``s[name]`` is the text. Unset options take the program's
     defaults (``fn.run(temperature=..., ...)``), else the runtime's (SamplingParams).
     ``regex`` constrains the output to a full match of the pattern (see
@@ -582,8 +590,8 @@ class ProgramState:
         uncond = None
         if unconditional:  # each choice alone: its first token has no context, so no logprob
             t0 = time.perf_counter()
-            alone = self.backend.generate([list(o) for o in options],
-                                          {"max_new_tokens": 1, "temperature": 0.0, "prompt_logprobs_from": 0})  # fmt: skip
+            params = {"max_new_tokens": 1, "temperature": 0.0, "prompt_logprobs_from": 0}
+            alone = self.backend.generate([list(o) for o in options], params)
             seconds = (time.perf_counter() - t0) / len(options)
             uncond = []
             for o, r in zip(options, alone):
@@ -600,8 +608,8 @@ class ProgramState:
         if self._used_roles:
             raise ProgramError(f"{what}: select over chat completions ({type(self.backend).__name__}) is not "
                                f"supported: every choices method needs the logprobs of given text, which the chat "
-                               f"API does not return. Constrain a gen instead, e.g. "
-                               f"assistant(gen({sel.name!r}, regex='(yes|no)')), where the server supports regex")  # fmt: skip
+                               f"API does not return. Constrain a gen instead, e.g. assistant(gen({sel.name!r}, "
+                               f"regex='(yes|no)')), where the server supports regex")  # fmt: skip
         prompt = self._text_prompt(what)
         t0 = time.perf_counter()
         scored = self.backend.score_text(prompt, list(sel.choices))
@@ -901,7 +909,8 @@ class ProgramFunction:
             s._finish()
 
     def run_batch(self, batch_kwargs: Sequence[dict | tuple | list], *, backend: Backend | None = None,
-                  num_threads: int | str = 16, progress_bar: bool = False, **defaults) -> list[ProgramState]:  # fmt: skip
+                  num_threads: int | str = 16, progress_bar: bool = False,
+                  **defaults) -> list[ProgramState]:  # fmt: skip
         """Run the program once per item, ``num_threads`` at a time ("auto": 16); states
         in order. An item is a dict of keyword arguments or a tuple (or list) of
         positional ones. Other keywords (``temperature=``, ``max_new_tokens=``, ...) are

@@ -43,6 +43,7 @@ from radixkv.server.process import ServerProcess
 PAGE = 16
 GREEDY = {"temperature": 0, "max_tokens": 12}
 HAS_JSON_SCHEMA = "json_schema" in SamplingParams.__dataclass_fields__
+HAS_RESPONSE_FORMAT = hasattr(__import__("radixkv.server.protocol").server.protocol, "ResponseFormat")
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,8 @@ def pick(s, question, choices, method):
 
 
 CASES = [  # each: the three methods do not all agree (checked below)
-    ("What is the capital of France? Answer with the city.", ["Paris", "London", "The city of Berlin", "Paris, France"]),
+    ("What is the capital of France? Answer with the city.",
+     ["Paris", "London", "The city of Berlin", "Paris, France"]),
     ("What is the capital of India? Answer with the city.", ["New York", "New Delhi", "Mumbai", "Bangalore"]),
     ("Name a fruit.", ["apple", "an apple", "a banana", "the durian fruit"]),
 ]
@@ -269,12 +271,13 @@ def test_json_schema_reaches_the_runtime_as_json_text():
 @pytest.mark.skipif(not HAS_JSON_SCHEMA, reason="this runtime's SamplingParams has no json_schema yet")
 def test_gen_with_a_json_schema_gives_a_valid_value(backend, endpoint, oai):
     outs = []
-    for b, schema in ((backend, SCHEMA), (endpoint, json.dumps(SCHEMA)), (oai, SCHEMA)):
+    ways = [(backend, SCHEMA), (endpoint, json.dumps(SCHEMA))] + ([(oai, SCHEMA)] if HAS_RESPONSE_FORMAT else [])
+    for b, schema in ways:
         s = person.run(schema=schema, backend=b)
         value = json.loads(s["person"])
         assert set(value) == {"name", "age"} and isinstance(value["name"], str) and type(value["age"]) is int
         outs.append(s["person"])
-    assert outs[0] == outs[1] == outs[2]  # one prompt, one grammar, greedy: the same text every way
+    assert outs == [outs[0]] * len(ways)  # one prompt, one grammar, greedy: the same text every way
 
 
 def test_regex_over_every_backend(backend, endpoint, oai):
@@ -534,6 +537,10 @@ def test_openai_chat_program_matches_the_engine(backend, oai):
     assert there.text().startswith("system: You are a helpful assistant.")
     with pytest.raises(ProgramError, match="token ids are not known"):
         there.token_ids()
+    forked = [forks_broadcast.run(styles=STYLES[:2], backend=b) for b in (backend, oai)]
+    assert forked[1]["line"] == forked[0]["line"]
+    assert [c.kind for c in forked[1].calls] == ["gen"]  # no prefix request over the API
+    assert [c.messages() for c in forked[1].children] == [c.messages() for c in forked[0].children]
 
 
 def test_openai_completion_program_matches_the_engine(engine, oai):
