@@ -25,11 +25,13 @@ Where the work happens:
 
     client thread / worker thread          engine thread, every step
     ---------------------------------      ------------------------------------
-    check_grammar (in SamplingParams)      prefetch(constraints)   before the forward:
+    check_grammar (in SamplingParams)      prefetch(constraints)   accelerator forward:
     Grammar.compile(spec) -> Constraint      masks computed on the mask thread while
-      (validated grammars and a started      the model runs (llguidance drops the GIL)
-       matcher are cached per spec; a      Constraint.allowed()    after: waits, -> mask
-       new request deep-copies one)        Constraint.advance(token)
+      (validated grammars and a started      the device runs (llguidance drops the GIL)
+       matcher are cached per spec; a      disallowed(constraints) after: the batch's
+       new request deep-copies one)          masks as one bool tensor (computed here
+                                             when not prefetched), and their errors
+                                           Constraint.advance(token)
 
 ``Grammar.compile`` never runs on the server's event loop (the server calls it through
 ``asyncio.to_thread``) nor on the engine thread.
@@ -273,9 +275,12 @@ _mask_thread_lock = threading.Lock()
 def prefetch(constraints: Sequence[Constraint]) -> None:
     """Start computing the next masks of ``constraints`` on the mask thread (one for
     the process; llguidance releases the GIL while it works), so they are ready when
-    the step's logits are: call before the forward, then ``allowed()`` as usual."""
+    the step's logits are: call right after launching a forward that runs on an
+    accelerator, while this thread would only wait for it. (On a CPU-only machine the
+    forward already uses every core; a second thread there only contends with it, so
+    the engine computes masks inline: ``disallowed``.)"""
     global _mask_thread
-    todo = [c for c in constraints if c._mask is None and c._pending is None]
+    todo = [c for c in constraints if not c._ready and c._pending is None]
     if not todo:
         return
     with _mask_thread_lock:
@@ -286,9 +291,55 @@ def prefetch(constraints: Sequence[Constraint]) -> None:
         c._pending = future
 
 
+_llexecutor = None
+
+
+def _executor():
+    """llguidance's thread pool for a batch of masks (one thread per core)."""
+    global _llexecutor
+    with _mask_thread_lock:
+        if _llexecutor is None:
+            import os
+
+            import llguidance
+
+            _llexecutor = llguidance.LLExecutor(max(1, len(os.sched_getaffinity(0))))
+        return _llexecutor
+
+
 def _compute_all(constraints: list[Constraint]) -> None:
     for c in constraints:
         c._compute()
+
+
+def disallowed(constraints: Sequence[Constraint], vocab: int) -> tuple[torch.Tensor, list[str | None], list[int]]:
+    """One step's masks for a batch, vectorised: bool ``[len(constraints), vocab]``, True
+    where a token may not come next (columns past the tokenizer's vocabulary too); per
+    constraint the error that ends it (a grammar limit hit, or no token left), else
+    None; and how many tokens each allows. Computes the masks not computed yet
+    (``prefetch``)."""
+    words = np.empty((len(constraints), constraints[0]._words.size), dtype=np.int32)
+    todo = []  # (matcher, row) of masks not computed yet: llguidance fills them in parallel, GIL released
+    for j, c in enumerate(constraints):
+        c._wait()
+        if c._ready:
+            words[j] = c._words
+        else:
+            todo.append((c._m, j))
+    if len(todo) > 1:
+        _executor().unsafe_compute_mask_ptr(todo, words.ctypes.data, words.shape[1] * 4, len(constraints))
+    elif todo:
+        todo[0][0].unsafe_compute_mask_ptr(words[todo[0][1]].ctypes.data, words.shape[1] * 4)
+    for _, j in todo:
+        constraints[j]._words[:] = words[j]
+        constraints[j]._ready = True
+    width = min(vocab, constraints[0].vocab_size)
+    bad = np.unpackbits((~words).view(np.uint8), axis=1, count=width, bitorder="little").view(bool)
+    if width < vocab:
+        bad = np.concatenate([bad, np.ones((len(constraints), vocab - width), dtype=bool)], axis=1)
+    counts = np.bitwise_count(words.view(np.uint32)).sum(axis=1, dtype=np.int64).tolist()
+    errors = [c.error or (None if n else "no token can continue") for c, n in zip(constraints, counts)]
+    return torch.from_numpy(bad), errors, counts
 
 
 class Constraint:
@@ -300,9 +351,10 @@ class Constraint:
         self._m = matcher
         self.vocab_size = vocab_size
         self.kind = kind
-        self._words = np.empty((vocab_size + 31) // 32, dtype=np.int32)
-        self._mask: torch.Tensor | None = None  # of the current position
-        self._pending: Future | None = None  # the mask thread is computing _mask
+        self._words = np.empty((vocab_size + 31) // 32, dtype=np.int32)  # the mask's bits, token i at bit i
+        self._ready = False  # _words holds the current position's mask
+        self._mask: torch.Tensor | None = None  # allowed(), from _words
+        self._pending: Future | None = None  # the mask thread is computing _words
 
     def copy(self) -> Constraint:
         """An independent constraint at the same position (for ``n`` > 1 samples)."""
@@ -315,16 +367,18 @@ class Constraint:
             self._pending = None
 
     def _compute(self) -> None:
-        if self._mask is None:
+        if not self._ready:
             self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-            bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
-            self._mask = torch.from_numpy(bits.view(bool))
+            self._ready = True
 
     def allowed(self) -> torch.Tensor:
         """Bool ``[vocab_size]``: the tokens that may come next. Cached until ``advance``.
         In the error state nothing is allowed but end-of-sequence."""
         self._wait()
         self._compute()
+        if self._mask is None:
+            bits = np.unpackbits(self._words.view(np.uint8), count=self.vocab_size, bitorder="little")
+            self._mask = torch.from_numpy(bits.view(bool))
         return self._mask
 
     def advance(self, token: int) -> None:
@@ -332,7 +386,7 @@ class Constraint:
         its error state (see ``error``)."""
         self._wait()
         self._m.consume_token(int(token))
-        self._mask = None
+        self._ready, self._mask = False, None
 
     @property
     def done(self) -> bool:

@@ -211,7 +211,8 @@ class EngineLoop:
             return
         batch = sched.build_batch(plan, self.config.device)
         prompt_lp = [s for s in plan if s.req.params.prompt_logprobs_from is not None and s.start < len(s.req.prompt_ids)]
-        prefetch([s.req.constraint for s in plan if s.req.constraint is not None and s.samples])  # beside the forward
+        if batch.input_ids.device.type != "cpu":  # the device computes; this core is free for the masks meanwhile
+            prefetch([s.req.constraint for s in plan if s.req.constraint is not None and s.samples])
         try:
             logits = self.model.forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
         except Exception as e:  # the model failed: fail this step's requests, keep serving
@@ -235,19 +236,17 @@ class EngineLoop:
         sampling = [i for i, s in enumerate(plan) if s.samples and not s.req.finished]  # not ended above
         if not sampling:
             return
-        kept = []
-        for i in sampling:
-            req = plan[i].req
-            error = self.output.constraint_error(req, logits.shape[1])
-            if error is None:
-                kept.append(i)
-            else:
-                req.error_param = req.constraint.kind
-                self._end([req], "error", error)
-        if not kept:
-            return
-        reqs = [plan[i].req for i in kept]
-        rows = self.output.process(logits[kept], reqs)
+        reqs = [plan[i].req for i in sampling]
+        rows, errors = self.output.process(logits[sampling], reqs)
+        if any(errors):  # a constraint failed: that request ends, the others sample
+            for req, error in zip(reqs, errors):
+                if error is not None:
+                    req.error_param = req.constraint.kind
+                    self._end([req], "error", error)
+            keep = [j for j, e in enumerate(errors) if e is None]
+            if not keep:
+                return
+            reqs, rows = [reqs[j] for j in keep], rows[keep]
         result = self.sampler.sample(rows, [r.sampler for r in reqs])
         for j, req in enumerate(reqs):
             reason, flush = self.output.append(req, result.tokens[j], result.logprobs[j], result.top_logprobs[j])

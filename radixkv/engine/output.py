@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from radixkv.engine.constrain import disallowed
 from radixkv.engine.messages import Finished, Output
 from radixkv.engine.request import CompletionOutput, Request, StreamChunk
 from radixkv.engine.sampling import prompt_logprobs
@@ -48,45 +49,50 @@ class OutputProcessor:
             for (_, u), lp in zip(targets, prompt_logprobs(rows[idx], ids)):
                 req.prompt_logprobs[u] = lp
 
-    @staticmethod
-    def constraint_error(req: Request, vocab: int) -> str | None:
-        """Compute ``req``'s constraint mask (bounded work, see constrain.py); the error
-        that ends it when the constraint failed (a grammar limit hit, no token left)."""
-        c = req.constraint
-        if c is None:
-            return None
-        allowed = c.allowed()
-        if c.error is not None or not bool(allowed[:vocab].any()):
-            return f"{c.kind}: the constraint failed: {c.error or 'no token can continue'}"
-        return None
-
-    def process(self, rows: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def process(self, rows: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[str | None]]:
         """``rows`` (one per request) as the requests' logits processors leave them:
         ``logit_bias`` added, end-of-sequence and stop token ids at -inf until
-        ``min_tokens`` are out, each constrained request's disallowed tokens at -inf.
-        A copy when any of them applies, else ``rows`` itself."""
-        busy = [j for j, r in enumerate(reqs) if r.constraint is not None or r.params.logit_bias
-                or len(r.output_ids) < r.params.min_tokens]  # fmt: skip
-        if not busy:
-            return rows
-        rows = rows.clone()
-        V = rows.shape[1]
-        ninf = float("-inf")
-        for j in busy:
-            r, p = reqs[j], reqs[j].params
-            if p.logit_bias:
-                ids = torch.tensor([t for t, _ in p.logit_bias if t < V], dtype=torch.long, device=rows.device)
-                bias = torch.tensor([b for t, b in p.logit_bias if t < V], dtype=rows.dtype, device=rows.device)
-                rows[j].index_add_(0, ids, bias)
-            if len(r.output_ids) < p.min_tokens:
-                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < V]
-                rows[j, banned] = ninf
-            if r.constraint is not None:
-                allowed = r.constraint.allowed()[:V].to(rows.device)
-                if len(r.output_ids) < p.min_tokens and not bool((allowed & torch.isfinite(rows[j])).any()):
-                    rows[j] = torch.where(allowed, rows[j].nan_to_num(neginf=-1e30), rows[j])  # the grammar ends here
-                rows[j].masked_fill_(~allowed, ninf)
-        return rows
+        ``min_tokens`` are out (unless the grammar allows nothing else: its end wins),
+        each constrained request's disallowed tokens at -inf (the batch's masks in one
+        tensor: constrain.disallowed). A copy when any of them applies, else ``rows``
+        itself. Also per request the error that ends it (its constraint failed: a
+        grammar limit hit, or no token can continue), else None."""
+        errors: list[str | None] = [None] * len(reqs)
+        biased = [j for j, r in enumerate(reqs) if r.params.logit_bias]
+        early = [j for j, r in enumerate(reqs) if len(r.output_ids) < r.params.min_tokens]
+        cons = [j for j, r in enumerate(reqs) if r.constraint is not None]
+        if not (biased or early or cons):
+            return rows, errors
+        V, dev = rows.shape[1], rows.device
+        ninf = torch.tensor(float("-inf"), dtype=rows.dtype, device=dev)
+        bad, failed, counts = disallowed([reqs[j].constraint for j in cons], V) if cons else (None, [], [])
+        if cons and len(cons) == len(reqs):
+            rows = torch.where(bad.to(dev), ninf, rows)  # a new tensor (faster than clone + masked_fill_)
+        else:
+            rows = rows.clone()
+            if cons:
+                idx = torch.tensor(cons, device=dev)
+                rows[idx] = torch.where(bad.to(dev), ninf, rows[idx])
+        for k, j in enumerate(cons):
+            if failed[k] is not None:
+                errors[j] = f"{reqs[j].constraint.kind}: the constraint failed: {failed[k]}"
+        if biased:
+            pairs = [(j, t, b) for j in biased for t, b in reqs[j].params.logit_bias if t < V]
+            r_idx, c_idx, vals = zip(*pairs) if pairs else ((), (), ())
+            rows.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)),
+                            torch.tensor(vals, dtype=rows.dtype, device=dev), accumulate=True)  # fmt: skip
+        if early:
+            at = {j: k for k, j in enumerate(cons)}
+            r_idx, c_idx = [], []
+            for j in early:
+                banned = [t for t in (*self.eos_token_ids, *reqs[j].params.stop_token_ids) if t < V]
+                if j in at and counts[at[j]] <= len(banned) and _only(bad[at[j]], banned):
+                    continue  # the grammar allows nothing but these: it ends here
+                r_idx += [j] * len(banned)
+                c_idx += banned
+            if r_idx:
+                rows[torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)] = float("-inf")
+        return rows, errors
 
     # -- after sampling ----------------------------------------------------------------------
 
@@ -158,6 +164,11 @@ class OutputProcessor:
             req.error, req.error_param if req.error else None, req.arrival_time, tuple(req.token_times),
             time.perf_counter(),
         ))  # fmt: skip
+
+
+def _only(bad_row: torch.Tensor, ids: list[int]) -> bool:
+    """Whether the tokens a mask allows (``~bad_row``) are all among ``ids``."""
+    return set((~bad_row).nonzero().flatten().tolist()) <= set(ids)
 
 
 def cut_at_stop(req: Request, before: int) -> bool:
