@@ -402,8 +402,8 @@ def _echo_score(body: dict, prompt: str, continuation: str, url: str) -> TextSco
     lps = logprobs.get("token_logprobs") or []
     if not offsets or offsets[0] != 0 or len(tokens) != len(offsets) or len(lps) != len(offsets):
         raise BackendError(f"the server at {url} returned no logprobs for the prompt (/completions with echo=True "
-                           f"and logprobs); select over the OpenAI API needs them. OpenAI's legacy completions and "
-                           f"vLLM return them; radixkv serve's /v1/completions does not (use RuntimeEndpoint)")
+                           f"and logprobs); select over the OpenAI API needs them (OpenAI's legacy completions, vLLM "
+                           f"and radixkv serve return them)")
     lo, hi = len(prompt), len(prompt) + len(continuation)
     ends = [*offsets[1:], max(hi, offsets[-1] + len(tokens[-1]))]
     picked = [k for k in range(len(tokens)) if offsets[k] < hi and ends[k] > lo]

@@ -308,3 +308,20 @@ def test_accepted_labels_are_honoured_not_refused(client):
                                        store=False, service_tier="auto", modalities=["text"],
                                        extra_body={"safety_identifier": "s-1", "prompt_cache_key": "k", "priority": 5})  # fmt: skip
     assert r.choices[0].message.content is not None
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, http):
+    """OpenAI's scoring call: the prompt's tokens come back with their logprobs (what a
+    program's select needs over the OpenAI API)."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0)
+    lp = r.choices[0].logprobs
+    n = len(http.post("/tokenize", json={"text": prompt}).json()["tokens"])
+    assert "".join(lp.tokens[:n]) == prompt and r.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    native = http.post("/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0, "prompt_logprobs_from": 0}}).json()["meta_info"]["prompt_logprobs"]
+    assert lp.token_logprobs[1:n] == pytest.approx(native[1:n], abs=1e-4)
+    assert lp.text_offset[:n] == sorted(lp.text_offset[:n]) and lp.text_offset[n] == len(prompt)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 0, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"

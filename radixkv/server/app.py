@@ -530,6 +530,11 @@ class Server:
             fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
         if best_of:  # rank by the sampled tokens' logprobs
             fields["n"], fields["logprobs"] = best_of, True
+        scored = req.echo and req.logprobs is not None  # the prompt's tokens get logprobs too (scoring)
+        if scored:
+            if req.stream:
+                raise P.ApiError(400, "echo with logprobs (the prompt's logprobs) cannot be streamed", "echo")
+            fields["prompt_logprobs_from"] = 0
         params = P.sampling_params(fields, P.OPENAI_NAMES)
         self._check_policy(params, ids)
         ns = self._namespace(http, req.cache_salt)
@@ -545,14 +550,13 @@ class Server:
             self.metrics.finished("/v1/completions", out, ns)
             self._check_output(out)
         picked = [_best(out.outputs, req.n) if best_of else out.outputs for out in outs]
-        choices = [
-            P.CompletionChoice(p * req.n + j, echo[p] + o.text,
-                               self._completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, req.logprobs,
-                                                         len(echo[p])),
-                               o.finish_reason)  # fmt: skip
-            for p, chosen in enumerate(picked)
-            for j, o in enumerate(chosen)
-        ]
+        choices = []
+        for p, chosen in enumerate(picked):
+            for j, o in enumerate(chosen):
+                lp = self._completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, req.logprobs, len(echo[p]))
+                if scored:
+                    lp = self._with_prompt(lp, ids[p], outs[p].prompt_logprobs, req.logprobs)
+                choices.append(P.CompletionChoice(p * req.n + j, echo[p] + o.text, lp, o.finish_reason))
         body = P.CompletionResponse(rid, created, self.model_name, choices, _usage(outs))
         await http.send(200, P.encode(body))
 
@@ -581,6 +585,19 @@ class Server:
             offset += len(t)
         top = [{self._token_text(t): lp for t, lp in row} for row in tops] if k and tops else None
         return P.CompletionLogprobs(tokens, logprobs, top, offsets)
+
+    def _with_prompt(self, lp: P.CompletionLogprobs, prompt_ids, prompt_lps, k) -> P.CompletionLogprobs:
+        """``lp`` with the prompt's tokens first (OpenAI's echo + logprobs): the first
+        token's logprob is null; a prompt token's top_logprobs hold the token itself."""
+        tokens = [self._token_text(t) for t in prompt_ids]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        tops = None
+        if lp.top_logprobs is not None:
+            tops = [None if v is None else {t: v} for t, v in zip(tokens, prompt_lps)] + lp.top_logprobs
+        return P.CompletionLogprobs(tokens + lp.tokens, list(prompt_lps) + lp.token_logprobs, tops, offsets + lp.text_offset)
 
     async def _stream_completions(self, http, req, ids, params, ns, echo, rid, created, cons) -> None:
         streams = [self.engine.open_stream(i, params, ns, c) for i, c in zip(ids, cons)]

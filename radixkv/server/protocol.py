@@ -296,8 +296,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
