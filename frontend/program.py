@@ -84,7 +84,8 @@ GEN_PARAMS = {  # gen() keyword -> SamplingParams field
     "max_tokens": "max_new_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature",
     "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-    "seed": "seed", "regex": "regex", "json_schema": "json_schema", "kv_policy": "kv_policy",
+    "seed": "seed", "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf", "min_tokens": "min_tokens",
+    "kv_policy": "kv_policy",
     "kv_budget": "kv_budget", "kv_compress_at": "kv_compress_at", "kv_rerotate": "kv_rerotate",
 }  # fmt: skip
 
@@ -98,7 +99,8 @@ def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequ
         min_p: float | None = None, frequency_penalty: float | None = None, presence_penalty: float | None = None,
         repetition_penalty: float | None = None, ignore_eos: bool | None = None,
         stop_token_ids: Sequence[int] | None = None, seed: int | None = None, regex: str | None = None,
-        json_schema: str | dict | None = None, kv_policy: str | None = None, kv_budget: int | float | None = None,
+        json_schema: str | dict | None = None, ebnf: str | None = None, min_tokens: int | None = None,
+        kv_policy: str | None = None, kv_budget: int | float | None = None,
         kv_compress_at: int | None = None, kv_rerotate: bool | None = None,
         choices: Sequence[str] | None = None,
         choices_method: ChoicesSamplingMethod | None = None) -> Gen | Select:  # fmt: skip
@@ -106,7 +108,8 @@ def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequ
     defaults (``fn.run(temperature=..., ...)``), else the runtime's (SamplingParams).
     ``regex`` constrains the output to a full match of the pattern (see
     radixkv.engine.constrain); ``json_schema`` (a dict, or a JSON string of one) to a JSON
-    value the schema accepts; at most one of them. With ``choices`` it is
+    value the schema accepts; ``ebnf`` to a grammar (Lark or GBNF); at most one of them.
+    ``min_tokens``: no end-of-sequence before that many tokens. With ``choices`` it is
     ``select(name, choices, choices_method=...)``, as in SGLang. ``kv_policy`` and
     ``kv_budget`` (and ``kv_compress_at``, prompt tokens of context) bound the KV this
     generation keeps (see radixkv.cache.compress; ``kv_rerotate``: positions within the
@@ -124,8 +127,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequ
     params = {ours: given[kw] for kw, ours in GEN_PARAMS.items() if given[kw] is not None}
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
-    if regex is not None and json_schema is not None:
-        raise ProgramError(f"gen({name!r}): regex and json_schema are two constraints; give one")
+    constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None]
+    if len(constraints) > 1:
+        raise ProgramError(f"gen({name!r}): {' and '.join(constraints)} are {len(constraints)} constraints; give one")
     if json_schema is not None:
         params["json_schema"] = _schema_text(name, json_schema)
     return Gen(name, params)

@@ -264,7 +264,7 @@ def test_json_schema_reaches_the_runtime_as_json_text():
     assert gen("x", json_schema=json.dumps(SCHEMA)).params["json_schema"] == json.dumps(SCHEMA)
     with pytest.raises(ProgramError, match="json_schema is not valid JSON"):
         gen("x", json_schema="{nope")
-    with pytest.raises(ProgramError, match="regex and json_schema"):
+    with pytest.raises(ProgramError, match="regex and json_schema are 2 constraints"):
         gen("x", regex="a", json_schema=SCHEMA)
 
 
@@ -631,3 +631,22 @@ def test_echoed_logprobs_give_the_choices_tokens():
                                                                 "token_logprobs": [-3.0]}}]}  # fmt: skip
     with pytest.raises(BackendError, match="no logprobs for the prompt"):
         _echo_score(no_prompt, "ab", " cd", "http://x")
+
+
+def test_ebnf_and_min_tokens_in_gen(backend, endpoint):
+    @function
+    def yes_no(s):
+        s += user("Is the sky blue?")
+        s += assistant(gen("a", max_tokens=4, temperature=0, ebnf='root ::= "yes" | "no"'))
+
+    @function
+    def at_least(s):
+        s += user("Answer yes or no: is the sky blue?")
+        s += assistant(gen("a", max_tokens=30, temperature=0, min_tokens=12))
+
+    got = [yes_no.run(backend=b)["a"] for b in (backend, endpoint)]
+    assert got[0] in ("yes", "no") and got == [got[0]] * 2
+    state = at_least.run(backend=backend)
+    assert state.calls[-1].completion_tokens >= 12
+    with pytest.raises(ProgramError, match="regex and ebnf are 2 constraints"):
+        gen("x", regex="a", ebnf='root ::= "a"')
