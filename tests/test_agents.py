@@ -325,3 +325,21 @@ def test_echo_with_logprobs_scores_the_prompt(client, http):
     assert lp.text_offset[:n] == sorted(lp.text_offset[:n]) and lp.text_offset[n] == len(prompt)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 0, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_tool_format_and_the_generic_messages():
+    from radixkv.server.tools import generic_messages, tool_format
+
+    hermes = "{% if tools %}<tools>{{ tools }}</tools> answer in <tool_call></tool_call>{% endif %}"
+    assert tool_format(hermes) == "hermes" and tool_format("{{ messages }}") == "generic" and tool_format(None) == "generic"
+    spec = tool_spec(TOOLS, "auto", True)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    msgs = generic_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"},
+                             {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "3"}], spec)  # fmt: skip
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in msgs[0]["content"]
+    assert parse_tool_calls(msgs[2]["content"])[1][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
+    assert msgs[3]["content"] == "<tool_response>\n3\n</tool_response>"
+    assert generic_messages([{"role": "user", "content": "hi"}], tool_spec(TOOLS, "none", None)) == [
+        {"role": "user", "content": "hi"}]  # "none": no tools in the prompt
