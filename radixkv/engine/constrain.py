@@ -55,7 +55,7 @@ MAX_REPEAT = 4_000  # a{n}, (a{m}){n}: at most this many repeats, nested ones mu
 MAX_GRAMMAR_CHARS = 100_000  # a json_schema or ebnf text
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1000
-CACHED_GRAMMARS = 64  # compiled specs kept (LRU)
+CACHED_GRAMMARS = 32  # compiled specs kept (LRU; a matcher's lexer may hold tens of MB)
 # llguidance's limits for one matcher. Fuel: ~50k units/ms building, ~14k/ms per step;
 # states: 1-2 kB each. So a step costs at most ~15 ms and a matcher at most ~40 MB.
 LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=50_000, max_lexer_states=20_000,

@@ -48,6 +48,7 @@ import msgspec
 from radixkv.cache.manager import check_flush_tiers
 from radixkv.engine.engine import Engine, RequestStream
 from radixkv.engine.request import RequestOutput, StreamChunk
+from radixkv.engine.constrain import KINDS as GRAMMAR_FIELDS
 from radixkv.engine.sampling import MAX_N
 from radixkv.errors import FieldError, IntegrityError
 from radixkv.server import protocol as P
@@ -535,7 +536,7 @@ class Server:
             if req.stream:
                 raise P.ApiError(400, "echo with logprobs (the prompt's logprobs) cannot be streamed", "echo")
             fields["prompt_logprobs_from"] = 0
-        params = P.sampling_params(fields, P.OPENAI_NAMES)
+        params = await self._params(fields, P.OPENAI_NAMES)
         self._check_policy(params, ids)
         ns = self._namespace(http, req.cache_salt)
         cons = await self._constraints(params, len(ids))
@@ -655,7 +656,7 @@ class Server:
         if req.top_logprobs is not None:
             fields["top_logprobs"] = req.top_logprobs
         names = {"max_new_tokens": param, **self._structured(req, tools, fields)}
-        params = P.sampling_params(fields, names)
+        params = await self._params(fields, names)
         self._check_policy(params, [ids])
         ns = self._namespace(http, req.cache_salt)
         (constraint,) = await self._constraints(params, 1, names)
@@ -680,6 +681,14 @@ class Server:
             choices.append(P.ChatChoice(j, P.AssistantMessage(content, "assistant", calls), lp, reason))
         body = P.ChatCompletionResponse(rid, created, self.model_name, choices, _usage([out]))
         await http.send(200, P.encode(body))
+
+    @staticmethod
+    async def _params(fields: dict, names: dict | None = None, prefix: str = ""):
+        """``P.sampling_params``; in a worker thread when a grammar is among the fields
+        (checking a 100k-character schema takes tens of milliseconds: not on the loop)."""
+        if any(fields.get(k) is not None for k in GRAMMAR_FIELDS):
+            return await asyncio.to_thread(P.sampling_params, fields, names, prefix)
+        return P.sampling_params(fields, names, prefix)
 
     @staticmethod
     def _structured(req, tools: ToolSpec | None, fields: dict) -> dict[str, str]:
@@ -787,7 +796,7 @@ class Server:
         unbounded = req.sampling_params.get("kv_rerotate") is True
         ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param, bounded, unbounded)
         fields = dict(req.sampling_params)
-        params = P.sampling_params(fields, prefix="sampling_params.")
+        params = await self._params(fields, prefix="sampling_params.")
         self._check_policy(params, [ids], "sampling_params.")
         self._check_fanout(1, params.n)
         self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens", params.kv_rerotate)
