@@ -112,3 +112,10 @@ def test_priority_orders_admission(engine):
     finish = [o.metrics.finish_time for o in outs]
     order = sorted(range(4), key=finish.__getitem__)
     assert order == [2, 3, 1, 0], (order, finish)
+
+
+def test_top_logprobs_leave_out_the_tokens_a_constraint_removed(engine):
+    p = SamplingParams(temperature=0, max_new_tokens=4, choices=["yes", "no"], logprobs=True, top_logprobs=5)
+    out = engine.generate(ask(engine, "Is water wet?"), p).outputs[0]
+    assert out.top_logprobs and all(v > float("-inf") for row in out.top_logprobs for _, v in row)
+    assert all(len(row) >= 1 for row in out.top_logprobs)

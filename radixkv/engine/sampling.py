@@ -462,8 +462,8 @@ class Sampler:
                 vals, ids = vals.tolist(), ids.tolist()
                 for r, i in enumerate(want):
                     k = states[i].params.top_logprobs
-                    if k > 0:
-                        tops[i] = list(zip(ids[r][:k], vals[r][:k]))
+                    if k > 0:  # tokens a constraint or logit_bias removed (-inf) are not alternatives
+                        tops[i] = [(t, v) for t, v in zip(ids[r][:k], vals[r][:k]) if v != float("-inf")]
         return SampleResult(tokens, lps, tops)
 
     # -- internals
