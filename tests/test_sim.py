@@ -128,12 +128,21 @@ def test_jsonl_round_trip(tmp_path):
     "line, message",
     [
         ("{not json", r"bad.jsonl:2: not valid JSON"),
-        ('{"text": "hello"}', "'text' needs the model's tokenizer"),
+        ('{"text": "hello"}', r"bad.jsonl:2: 'text' needs a tokenizer"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "'messages' needs a tokenizer"),
+        ('{"tokens": [1], "text": "hi"}', "exactly one of 'tokens', 'text', 'messages' is required"),
+        ('{"namespace": "a"}', r"exactly one of .* \(got none\)"),
+        ('{"messages": []}', "'messages' must be a non-empty list"),
+        ('{"tokens": [1], "arrival": -1}', "'arrival' must be a number of seconds >= 0"),
+        ('{"tokens": [1], "arrival": "soon"}', "'arrival' must be a number"),
+        ('{"tokens": [1], "session": 5}', "'session' must be a string or null"),
+        ('{"tokens": [1], "cached_tokens": -2}', "'cached_tokens' must be an int >= 0"),
+        ('{"tokens": [1], "cached_tokens": 1.5}', "'cached_tokens' must be an int >= 0"),
         ('{"tokens": []}', "'tokens' must not be empty"),
         ('{"tokens": [1, "a"]}', "'tokens' must be a list of integer"),
         ('{"tokens": [1], "output_tokens": -1}', "'output_tokens' must be"),
         ('{"tokens": [1], "namespace": 3}', "'namespace' must be a string"),
-        ('{"tokens": [1], "colour": 3}', "unknown field"),
+        ('{"tokens": [1], "colour": 3}', r"bad.jsonl:2: unknown field\(s\) \['colour'\]"),
         ('{"tokens": [99999999999]}', "outside int32"),
         ("[1, 2]", "expected a JSON object"),
     ],
@@ -143,6 +152,74 @@ def test_bad_trace_lines_name_line_and_field(tmp_path, line, message):
     path.write_text('{"tokens": [1, 2]}\n' + line + "\n")
     with pytest.raises(ValueError, match=message):
         traces.load_jsonl(path)
+
+
+def test_recorder_fields_are_read_and_round_trip(tmp_path):
+    path = tmp_path / "rec.jsonl"
+    path.write_text(
+        '{"tokens": [1, 2, 3], "arrival": 0.5, "session": "s1", "cached_tokens": 0, "output_tokens": 4}\n'
+        '{"tokens": [1, 2, 4], "arrival": 0, "session": null, "cached_tokens": 2, "output_tokens": [9, 8],'
+        ' "namespace": "ns-1f3a", "priority": 1}\n'
+    )  # fmt: skip
+    a, b = traces.load_jsonl(path)
+    assert (a.arrival, a.session, a.cached_tokens, a.output_tokens) == (0.5, "s1", 0, 4)
+    assert (b.arrival, b.session, b.cached_tokens, list(b.output_tokens), b.namespace) == (0.0, None, 2, [9, 8], "ns-1f3a")
+    traces.dump_jsonl([a, b], tmp_path / "again.jsonl")
+    assert traces.load_jsonl(tmp_path / "again.jsonl") == [a, b]
+
+
+def test_arrival_on_some_lines_only_is_an_error(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"tokens": [1], "arrival": 0}\n{"tokens": [2]}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: no 'arrival', but other lines have one"):
+        traces.load_jsonl(path)
+
+
+class FakeEncoder:
+    def encode_text(self, text):
+        return [ord(c) for c in text]
+
+    def encode_messages(self, messages):
+        return [ord(c) for m in messages for c in m["role"][0] + m["content"]]
+
+
+def test_text_and_messages_lines_go_through_the_encoder(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "abc"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    a, b = traces.load_jsonl(path, FakeEncoder())
+    assert list(a.tokens) == [97, 98, 99] and list(b.tokens) == [ord("u"), ord("h"), ord("i")]
+
+
+def test_text_and_messages_are_tokenized_as_the_server_does(tmp_path):
+    """The embedded model's tokenizer and chat template, as Engine.prompt_ids (a
+    /v1/completions prompt) and Engine.chat_prompt_ids (a chat request) encode them."""
+    from radixkv.model import resolve_model
+    from radixkv.model.chat_template import ChatTemplate
+    from radixkv.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model())
+    template = ChatTemplate.from_tokenizer(tok)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is <|im_end|> here?"}]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"text": "The radix tree shares prefixes."}) + "\n"
+                    + json.dumps({"messages": messages}) + "\n"
+                    + json.dumps({"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                                                                 {"type": "text", "text": "brief."}]},
+                                               {"role": "user", "content": "What is <|im_end|> here?"}]}) + "\n")  # fmt: skip
+    from radixkv.workloads.prompt_encoder import ModelPromptEncoder
+
+    a, b, c = traces.load_jsonl(path, ModelPromptEncoder())
+    assert list(a.tokens) == tok.encode("The radix tree shares prefixes.", True)
+    expected = template.encode(tok, messages, add_generation_prompt=True)
+    assert list(b.tokens) == expected == list(c.tokens)  # developer is system, text parts joined
+    (im_end,) = tok.encode("<|im_end|>", False)
+    assert expected.count(im_end) == 2  # the template's two; the one in the content stays plain text
+    rendered = tok.decode(expected)
+    assert rendered.endswith("<|im_start|>assistant\n") and "Be brief." in rendered
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'messages' cannot be encoded: messages\[0\].role"):
+        traces.load_jsonl(bad, ModelPromptEncoder())
 
 
 def test_cli_sim_on_a_trace_file_writes_table_json_and_plot(tmp_path, capsys):
@@ -169,9 +246,9 @@ def test_cli_sim_builtin_workload_and_export(tmp_path, capsys):
 
 def test_cli_errors_are_clear(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "hi"}\n')
+    bad.write_text('{"tokens": [1], "colour": "red"}\n')
     assert main(["sim", str(bad)]) == 2
-    assert "needs the model's tokenizer" in capsys.readouterr().err
+    assert "bad.jsonl:1: unknown field(s) ['colour']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["sim", "--workload", "few_shot", "--policy", "mru"])
     assert "unknown policy 'mru'" in capsys.readouterr().err
