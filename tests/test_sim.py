@@ -309,3 +309,184 @@ def test_pool_sizes_parse_binary_and_decimal_units():
     from radixkv.cli import _sizes
 
     assert _sizes("1GiB,512MiB,4KiB,2G,3MB,100,2e3,1.5kib") == (1 << 30, 512 << 20, 4 << 10, 2 * 10**9, 3 * 10**6, 100, 2000, 1536)
+
+
+# -- arrival times ----------------------------------------------------------------------------------
+
+RATES = {"prefill_tok_s": 10.0, "decode_tok_s": 1.0}
+
+
+def timed_pair(second_arrival):
+    # A: 10 uncached prompt tokens at 10 tok/s (1 s) + 3 outputs at 1 tok/s (3 s): in flight 0..4 s
+    a = req(SHARED, output_tokens=array("i", [7, 7, 7]), arrival=0.0)
+    b = req(SHARED + [7, 7, 9], arrival=second_arrival)
+    return [a, b]
+
+
+def test_arrival_times_decide_what_is_finished_and_published():
+    # B after A's modelled finish: A's outputs are published (SHARED + 7, 7: 12 tokens)
+    assert sim.replay(timed_pair(5.0), None, 1, in_flight=2, **RATES).cached_per_request == (0, 12)
+    # B while A runs, with a free slot: only A's published prompt (SHARED)
+    assert sim.replay(timed_pair(2.0), None, 1, in_flight=2, **RATES).cached_per_request == (0, 10)
+    # B while A runs but no free slot: B waits for A's finish, then sees its outputs
+    assert sim.replay(timed_pair(2.0), None, 1, in_flight=1, **RATES).cached_per_request == (0, 12)
+    # slower decode: A runs until 0 + 1 + 3 * 2 = 7 s, so at 5 s it still holds its outputs back
+    assert sim.replay(timed_pair(5.0), None, 1, in_flight=2, prefill_tok_s=10.0,
+                      decode_tok_s=0.5).cached_per_request == (0, 10)  # fmt: skip
+
+
+def test_requests_replay_in_arrival_order_and_report_in_file_order():
+    a, b = timed_pair(1.0)
+    trace = [b, a]  # the file lists B first; A arrives first
+    assert sim.replay(trace, None, 1, in_flight=1, **RATES).cached_per_request == (12, 0)
+    # arrivals ignored: file order, B first; A then finds SHARED but its last token
+    assert sim.replay(trace, None, 1, in_flight=1, arrivals=False, **RATES).cached_per_request == (0, 9)
+    with pytest.raises(ValueError, match="must be > 0"):
+        sim.replay(trace, None, 1, prefill_tok_s=0)
+
+
+# -- breakdowns, live comparison, warnings, explanations ------------------------------------------
+
+
+def test_breakdown_per_namespace_and_session_with_live_numbers():
+    trace = [req(SHARED, namespace="a", session="x", cached_tokens=0),
+             req(SHARED, namespace="b", session="y", cached_tokens=0),
+             req(SHARED + [1], namespace="a", session="x", cached_tokens=8)]  # fmt: skip
+    result = sim.sweep(trace, 1, ("lru",), capacity_pages=(100,), belady=False)
+    run = result["runs"][0]
+    assert run["by_namespace"] == {
+        "a": {"requests": 2, "prompt_tokens": 21, "cached_tokens": 10, "hit_rate": 10 / 21,
+              "live_cached_tokens": 8, "live_hit_rate": 8 / 21},
+        "b": {"requests": 1, "prompt_tokens": 10, "cached_tokens": 0, "hit_rate": 0.0,
+              "live_cached_tokens": 0, "live_hit_rate": 0.0},
+    }  # fmt: skip
+    assert run["by_session"]["x"]["cached_tokens"] == 10 and run["by_session"]["y"]["requests"] == 1
+    assert (run["prompt_tokens"], run["cached_tokens"]) == (31, 10)
+    assert result["live"] == {"requests": 3, "prompt_tokens": 31, "cached_tokens": 8, "hit_rate": 8 / 31}
+    table = sim.format_breakdown(result, "namespace")
+    assert table.splitlines()[0].split() == ["namespace", "requests", "prompt", "tok", "live", "%", "unlimited", "%",
+                                             "lru", "100", "%"]  # fmt: skip
+    assert table.splitlines()[2].split()[:5] == ["a", "2", "21", "38.10", "47.62"]
+    plain = sim.sweep([req(SHARED), req(SHARED)], 1, ("lru",), capacity_pages=(100,), belady=False)
+    assert "by_namespace" not in plain["unlimited"] and "live" not in plain
+    assert sim.format_breakdown(plain, "namespace") == ""
+
+
+def test_warnings_name_the_degenerate_cases():
+    assert sim.warnings_for([req(SHARED)], 1)[0].startswith("the trace has one request")
+    short = sim.warnings_for([req([1] * 16), req([2] * 17), req([3] * 5)], 16)
+    assert short == ["2 of 3 prompts are no longer than a page (16 tokens): only whole pages are shared and a "
+                     "prompt's last token is always computed, so they can never hit (try a smaller --page-size)"]  # fmt: skip
+    trace = [req(list(range(30))), req([1, 2])]
+    result = sim.sweep(trace, 1, ("lru",), capacity_pages=(8,), belady=False)
+    (warning,) = sim.warnings_for(trace, 1, result["runs"])
+    assert warning.startswith("1 of 2 requests did not fit a pool of 8 pages, lru: the longest request needs 30 pages")
+    assert sim.warnings_for([req([1] * 40), req([1] * 40)], 16) == []
+
+
+def test_identical_policies_are_explained():
+    a, b = [1] * 8, [2] * 8
+    roomy = sim.sweep([req(a), req(b), req(a)], 1, ("lru", "fifo"), capacity_pages=(100,), belady=False)
+    assert sim.explain_identical(roomy) == ["lru and fifo are identical here: nothing was evicted at these "
+                                            "capacities, so no policy ever chose a victim."]  # fmt: skip
+    misses = sim.sweep([req(a), req(b), req([3] * 8)], 1, ("lru", "fifo", "lfu"), capacity_pages=(9,), belady=False)
+    assert sim.explain_identical(misses) == ["lru, fifo and lfu are identical here: every request was a miss: no "
+                                             "prompt found a whole page of an earlier one still cached."]  # fmt: skip
+    different = sim.sweep([req(a), req(b), req(a), req([3] * 8), req(b), req(a)], 1, ("lru", "fifo"),
+                          capacity_pages=(17,), belady=False)  # the policy test's trace: lru 9, fifo 14
+    assert sim.explain_identical(different) == []
+
+
+def test_plot_lines_have_distinct_styles():
+    styles = {(sim.line_style(i)["marker"], sim.line_style(i)["linestyle"]) for i in range(8)}
+    assert len(styles) == 8
+
+
+# -- what-if ---------------------------------------------------------------------------------------
+
+
+def test_what_if_replays_each_configuration_and_estimates_prefill_time():
+    trace = traces.synthetic("few_shot")[:40]
+    configs = [sim.WhatIf("small", 20, 16, "lru"), sim.WhatIf("big", 200, 16, "fifo"),
+               sim.WhatIf("pages of 4", 200, 4, "lru", host_pages=50), sim.WhatIf("all", None, 16)]  # fmt: skip
+    result = sim.what_if(trace, configs, prefill_tok_s=100.0)
+    rows = result["configs"]
+    prompt = sum(len(r.tokens) for r in trace)  # 40 x 1050
+    assert prompt == 42_000 and all(r["prompt_tokens"] == prompt for r in rows)
+    for c, r in zip(configs, rows):
+        alone = sim.replay(trace, c.capacity_pages, c.page_size, c.policy, host_pages=c.host_pages)
+        assert r["prefill_tokens_saved"] == sum(alone.cached_per_request) == alone.hit_tokens
+        assert r["prefill_tokens"] == prompt - r["prefill_tokens_saved"]
+        assert r["est_prefill_s_saved"] == pytest.approx(r["prefill_tokens_saved"] / 100.0)
+    # unlimited, page size 16: the 1000-token prefix holds 62 whole pages (992 tokens), hit by 39 requests
+    assert rows[3]["prefill_tokens_saved"] == 39 * 992 and rows[3]["unlimited"]
+    assert rows[0]["prefill_tokens_saved"] < rows[1]["prefill_tokens_saved"]
+    table = sim.format_what_if(result)
+    assert "small" in table and "pages of 4" in table and "unlimited" in table and f"{39 * 992:,}" in table
+
+
+def test_cli_what_if_side_by_side(tmp_path, capsys):
+    out_json = tmp_path / "w.json"
+    assert main(["sim", "--workload", "few_shot", "--what-if", "pool-bytes=8MiB,kv-dtype=fp32,name=fp32 8MiB",
+                 "--what-if", "pool-bytes=8MiB,kv-dtype=int8", "--what-if", "pages=300,policy=fifo,page-size=8",
+                 "--prefill-tok-s", "500", "--json", str(out_json)]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    assert "fp32 8MiB" in captured.out and "pool-bytes=8MiB,kv-dtype=int8" in captured.out
+    rows = json.loads(out_json.read_text())["configs"]
+    fp32, int8 = 2 * 30 * 16 * 3 * 64 * 4, 2 * 30 * 16 * 3 * (64 + 1)  # bytes per page of the embedded model
+    assert [(r["capacity_pages"], r["page_size"], r["policy"]) for r in rows] == [
+        ((8 << 20) // fp32, 16, "lru"), ((8 << 20) // int8, 16, "lru"), (300, 8, "fifo")]
+    trace = traces.synthetic("few_shot")
+    for r in rows:
+        alone = sim.replay(trace, r["capacity_pages"], r["page_size"], r["policy"])
+        assert r["prefill_tokens_saved"] == alone.hit_tokens
+        assert r["est_prefill_s_saved"] == pytest.approx(alone.hit_tokens / 500)
+    assert "did not fit a pool of 11 pages (fp32 8MiB)" in captured.err  # 11 pages < a 1050-token prompt
+    for bad, message in [("colour=red", "expected KEY=VALUE with KEY one of"), ("policy=mru", "unknown policy"),
+                         ("pages=3,pool-bytes=1MiB", "not both"), ("page-size=0", "must be >= 1")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(["sim", "--workload", "few_shot", "--what-if", bad])
+        assert message in capsys.readouterr().err
+
+
+def test_cli_sim_text_trace_with_sessions_and_arrivals(tmp_path, capsys):
+    """A recorder-shaped trace of chat messages: tokenized with the embedded model's
+    template; replayed in arrival order, with live numbers and per-session rows."""
+    system = {"role": "system", "content": "You answer questions about the radix tree cache. " * 20}
+    lines = []
+    for i, (session, arrival) in enumerate([("s1", 0.0), ("s2", 0.1), ("s1", 30.0), ("s2", 30.5)]):
+        lines.append({"messages": [system, {"role": "user", "content": f"Question {i} from {session}?"}],
+                      "session": session, "arrival": arrival, "cached_tokens": 0, "output_tokens": 4})  # fmt: skip
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out_json = tmp_path / "r.json"
+    assert main(["sim", str(path), "--capacity-pages", "1000", "--policy", "lru", "--no-belady",
+                 "--json", str(out_json)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "in arrival order, up to 64 in flight" in out and "by session" in out and "live run: 0.00%" in out
+    result = json.loads(out_json.read_text())
+    run = result["runs"][0]
+    # the shared system message: every request after the first hits its whole pages
+    assert run["cached_tokens"] > 0 and run["by_session"]["s1"]["requests"] == 2
+
+
+def test_program_workloads_are_offered_by_sim():
+    from radixkv.cli import PROGRAM_WORKLOADS, build_parser
+
+    assert PROGRAM_WORKLOADS == ("rag", "agent")
+    sim_parser = build_parser()._subparsers._group_actions[0].choices["sim"]
+    choices = next(a.choices for a in sim_parser._actions if a.dest == "workload")
+    assert {"rag", "agent", "multi_turn", "few_shot", "branching", "mixed"} <= set(choices)
+
+
+def test_cli_sim_agent_workload(capsys):
+    assert main(["sim", "--workload", "agent", "--capacity", "0.5", "--policy", "lru", "--no-belady"]) == 0
+    assert "agent program (seed 0): 56 requests" in capsys.readouterr().out  # 8 agents x (6 steps + final)
+
+
+def test_defaults_match_their_sources():
+    from radixkv import cli
+    from radixkv.engine.config import EngineConfig
+
+    assert (cli._PREFILL_TOK_S, cli._DECODE_TOK_S) == (sim.DEFAULT_PREFILL_TOK_S, sim.DEFAULT_DECODE_TOK_S)
+    assert cli._MAX_RUNNING == EngineConfig().max_running

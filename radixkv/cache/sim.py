@@ -9,6 +9,17 @@ for it, minus the model, so the simulator's cached tokens per request are the en
     one decode step per output token but the last (its KV is never computed) ->
     (in flight) -> release (publish, unlock, free)
 
+With arrival times (every request of the trace has an ``arrival``), requests are
+replayed in arrival order (ties in trace order) and a request's time in flight is
+modelled: it is admitted at its arrival, or when a slot frees if ``in_flight`` are
+running (or when memory frees, if the pool is full), and finishes after its uncached
+prompt tokens at ``prefill_tok_s`` plus its output tokens at ``decode_tok_s`` (one
+sequence's rates, measured on the embedded model: ``DEFAULT_PREFILL_TOK_S``,
+``DEFAULT_DECODE_TOK_S``). A request that finished before a later one arrives has
+published its outputs to it; ones still running hold their pages locked and share
+only their published prompt chunks. Without arrivals, a request stays in flight until
+``in_flight`` newer ones have been admitted (``in_flight=1``: one at a time).
+
 Two references bound what a policy can reach: the hit rate with unlimited capacity,
 and Belady's offline policy, which evicts the cached page whose next use lies
 farthest in the future (it reads the whole trace ahead).
@@ -17,6 +28,7 @@ farthest in the future (it reads the whole trace ahead).
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import math
 from array import array
@@ -86,6 +98,19 @@ def total_pages(trace: list[TraceRequest], page_size: int) -> int:
 
 DEFAULT_CHUNK_SIZE = 512  # EngineConfig.chunked_prefill_size's default (a test keeps them equal)
 
+# One sequence's rates of the embedded model (SmolLM2-135M, fp32 weights and KV, default
+# attention backend), measured with radixkv.engine.engine.Engine on 2026-11-23 on a 2-core
+# x86_64 AMD EPYC VM shared with other work: a 2048-token prompt prefilled in 7.46 s
+# (median of 3: 7.09, 7.46, 7.80 s), and 64 tokens decoded after a 256-token prompt at
+# 13.1-13.9 tok/s. `radixkv sim --prefill-tok-s / --decode-tok-s` override them.
+DEFAULT_PREFILL_TOK_S = 275.0
+DEFAULT_DECODE_TOK_S = 13.5
+
+
+def timed(trace: list[TraceRequest]) -> bool:
+    """Whether the trace carries arrival times (``load_jsonl`` ensures all or none)."""
+    return bool(trace) and all(r.arrival is not None for r in trace)
+
 
 def replay(
     trace: list[TraceRequest],
@@ -96,6 +121,9 @@ def replay(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     host_pages: int | None = None,
     store_pages: int | None = None,
+    arrivals: bool = True,
+    prefill_tok_s: float = DEFAULT_PREFILL_TOK_S,
+    decode_tok_s: float = DEFAULT_DECODE_TOK_S,
 ) -> SimResult:
     """Replay ``trace`` with ``capacity_pages`` pages (None: unlimited), and with
     ``host_pages`` a host tier of that many pages below them, with ``store_pages`` a
@@ -108,11 +136,22 @@ def replay(
     prefill chunk (None: whole prompts): every chunk's whole pages are published as the
     engine publishes them. A request that does not fit even with nothing else in
     flight is rejected (what it computed stays cached, as in the engine).
+
+    With ``arrivals`` and a trace that has arrival times, requests run in arrival order
+    and leave the flight when their modelled time is up (module docstring; the rates
+    ``prefill_tok_s`` and ``decode_tok_s``). ``cached_per_request`` follows the trace's
+    own order either way.
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if not (prefill_tok_s > 0 and decode_tok_s > 0):
+        raise ValueError(f"prefill_tok_s and decode_tok_s must be > 0, got {prefill_tok_s}, {decode_tok_s}")
+    order = None
+    if arrivals and timed(trace):
+        order = sorted(range(len(trace)), key=lambda j: (trace[j].arrival, j))
+        trace = [trace[j] for j in order]
     if capacity_pages is None:
         capacity_pages = total_pages(trace, page_size) + 1
     if policy == "belady":
@@ -127,14 +166,26 @@ def replay(
         tiers = KVTiers(allocator, "sim", "sim", host, store, page_size=page_size)
     kv = KVCacheManager(allocator, tree, page_size, tiers)
     outputs = _outputs(trace)
-    running: deque = deque()  # (seq, tokens) in flight, oldest first
+    running: deque = deque()  # untimed: (seq, tokens) in flight, oldest first
+    flight: list = []  # timed: a heap of (finish time, index, seq, tokens)
+    clock = 0.0
     rejected = 0
     cached = []
 
     def finish_oldest() -> bool:
-        if not running:
+        """Untimed: the oldest request in flight finishes; timed: the one that finishes
+        first (the clock moves on to its finish if it lies ahead)."""
+        nonlocal clock
+        if order is None:
+            if not running:
+                return False
+            kv.release(*running.popleft())
+            return True
+        if not flight:
             return False
-        kv.release(*running.popleft())
+        end, _, seq, tokens = heapq.heappop(flight)
+        clock = max(clock, end)
+        kv.release(seq, tokens)
         return True
 
     def compute(seq: SeqKV, tokens, upto: int, step: int) -> bool:
@@ -151,6 +202,10 @@ def replay(
     for i, req in enumerate(trace):
         if isinstance(policy, Belady):
             policy.now = i
+        if order is not None:  # finished by its arrival; else wait for a slot
+            clock = max(clock, req.arrival)
+            while flight and (flight[0][0] <= clock or len(flight) >= in_flight):
+                finish_oldest()
         tokens = req.tokens + outputs[i]
         prompt = len(req.tokens)
         seq = SeqKV(req.namespace, req.priority)
@@ -160,12 +215,21 @@ def replay(
             kv.release(seq, tokens)
             rejected += 1
             continue
+        if order is not None:
+            end = clock + (prompt - cached[-1]) / prefill_tok_s + req.num_output / decode_tok_s
+            heapq.heappush(flight, (end, i, seq, tokens))
+            continue
         running.append((seq, tokens))
         if len(running) >= in_flight:
             finish_oldest()
-    while running:
+    while running or flight:
         finish_oldest()
     kv.check([])
+    if order is not None:  # back to the trace's order
+        unsorted = [0] * len(cached)
+        for pos, j in enumerate(order):
+            unsorted[j] = cached[pos]
+        cached = unsorted
     host_hits = tiers.stats.host_hit_tokens if tiers is not None else 0
     store_hits = tiers.stats.store_hit_tokens if tiers is not None else 0
     return SimResult(
@@ -291,25 +355,29 @@ def sweep(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     host_pages: int | None = None,
     store_pages: int | None = None,
+    **timing,
 ) -> dict:
     """Replay every policy (and Belady) at every capacity, plus the unlimited bound;
     with ``host_pages`` / ``store_pages``, those tiers below every capacity.
+    ``timing``: ``replay``'s ``arrivals``, ``prefill_tok_s``, ``decode_tok_s``.
 
     Capacities are ``capacity_pages`` when given, else ``fractions`` of the trace's
     unique pages (what unlimited capacity ends up caching). Returns a JSON-ready dict:
     ``unique_pages``, ``unlimited`` (its result) and ``runs`` (one result per policy
-    and capacity, with the ``capacity_fraction`` of the unique pages).
+    and capacity, with the ``capacity_fraction`` of the unique pages); every result
+    with ``prompt_tokens``, ``cached_tokens`` and its breakdowns (``breakdowns``), and
+    ``live`` when the trace has the live run's cached tokens.
     """
-    unlimited = replay(trace, None, page_size, "lru", in_flight, chunk_size)
+    unlimited = replay(trace, None, page_size, "lru", in_flight, chunk_size, **timing)
     unique = unlimited.cached_pages
     if capacity_pages is None:
         capacity_pages = tuple(sorted({max(1, round(f * unique)) for f in fractions}))
     runs = []
     for name in (*policies, *(("belady",) if belady else ())):
         for cap in capacity_pages:
-            result = replay(trace, cap, page_size, name, in_flight, chunk_size, host_pages, store_pages)
-            runs.append({**result.as_dict(), "capacity_fraction": cap / unique if unique else 0.0})
-    return {"unique_pages": unique, "unlimited": unlimited.as_dict(), "runs": runs}
+            result = replay(trace, cap, page_size, name, in_flight, chunk_size, host_pages, store_pages, **timing)
+            runs.append({**run_dict(trace, result), "capacity_fraction": cap / unique if unique else 0.0})
+    return {"unique_pages": unique, "unlimited": run_dict(trace, unlimited), "runs": runs, **_live(trace)}
 
 
 def byte_sweep(
@@ -322,6 +390,7 @@ def byte_sweep(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     host_pages: int | None = None,
     store_pages: int | None = None,
+    **timing,
 ) -> dict:
     """Replay every policy at every pool size in bytes for every KV format
     (``bytes_per_page``: format name -> bytes of one page of it, all layers, K and V,
@@ -330,7 +399,7 @@ def byte_sweep(
     ``unlimited`` and ``runs`` (as ``sweep``; each run adds ``kv_dtype``, ``pool_bytes``
     and ``bytes_per_page``). A pool too small for one page is a ValueError naming it.
     """
-    unlimited = replay(trace, None, page_size, "lru", in_flight, chunk_size)
+    unlimited = replay(trace, None, page_size, "lru", in_flight, chunk_size, **timing)
     unique = unlimited.cached_pages
     runs = []
     for fmt, per_page in bytes_per_page.items():
@@ -339,10 +408,214 @@ def byte_sweep(
             if pages < 1:
                 raise ValueError(f"pool_bytes {size} holds no page of {fmt} ({per_page} bytes per page)")
             for name in policies:
-                result = replay(trace, pages, page_size, name, in_flight, chunk_size, host_pages, store_pages)
-                runs.append({**result.as_dict(), "capacity_fraction": pages / unique if unique else 0.0,
+                result = replay(trace, pages, page_size, name, in_flight, chunk_size, host_pages, store_pages,
+                                **timing)  # fmt: skip
+                runs.append({**run_dict(trace, result), "capacity_fraction": pages / unique if unique else 0.0,
                              "kv_dtype": fmt, "pool_bytes": size, "bytes_per_page": per_page})  # fmt: skip
-    return {"unique_pages": unique, "unlimited": unlimited.as_dict(), "runs": runs}
+    return {"unique_pages": unique, "unlimited": run_dict(trace, unlimited), "runs": runs, **_live(trace)}
+
+
+# -- breakdowns, live comparison, warnings ------------------------------------------------
+
+NO_NAME = "(none)"  # the group of requests without a namespace / session
+
+
+def breakdown(trace: list[TraceRequest], cached: tuple[int, ...], key: str) -> dict[str, dict]:
+    """Per value of ``key`` (``"namespace"`` or ``"session"``; None is ``NO_NAME``), in
+    order of first appearance: ``requests``, ``prompt_tokens``, ``cached_tokens`` (the
+    replay's), ``hit_rate`` (cached / prompt tokens) and, where the trace has them,
+    ``live_cached_tokens`` and ``live_hit_rate`` over the requests that report them."""
+    groups: dict[str, dict] = {}
+    for req, hit in zip(trace, cached):
+        name = getattr(req, key)
+        g = groups.setdefault(NO_NAME if name is None else name,
+                              {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "live": [0, 0, 0]})  # fmt: skip
+        g["requests"] += 1
+        g["prompt_tokens"] += len(req.tokens)
+        g["cached_tokens"] += hit
+        if req.cached_tokens is not None:
+            g["live"][0] += 1
+            g["live"][1] += len(req.tokens)
+            g["live"][2] += req.cached_tokens
+    for g in groups.values():
+        g["hit_rate"] = g["cached_tokens"] / g["prompt_tokens"]
+        reported, prompts, live = g.pop("live")
+        if reported:
+            g["live_cached_tokens"] = live
+            g["live_hit_rate"] = live / prompts
+    return groups
+
+
+def breakdowns(trace: list[TraceRequest], cached: tuple[int, ...]) -> dict:
+    """``by_namespace`` when the trace has a namespace, ``by_session`` when it has a
+    session (``breakdown``)."""
+    out = {}
+    for key in ("namespace", "session"):
+        if any(getattr(r, key) is not None for r in trace):
+            out[f"by_{key}"] = breakdown(trace, cached, key)
+    return out
+
+
+def run_dict(trace: list[TraceRequest], result: SimResult) -> dict:
+    """``result.as_dict()`` with the trace's ``prompt_tokens``, the replay's
+    ``cached_tokens`` (per request, summed) and the breakdowns."""
+    prompt = sum(len(r.tokens) for r in trace)
+    cached = sum(result.cached_per_request)
+    return {**result.as_dict(), "prompt_tokens": prompt, "cached_tokens": cached,
+            **breakdowns(trace, result.cached_per_request)}  # fmt: skip
+
+
+def _live(trace: list[TraceRequest]) -> dict:
+    """``{"live": {requests, prompt_tokens, cached_tokens, hit_rate}}`` over the
+    requests that carry the live run's ``cached_tokens``; {} when none does."""
+    known = [r for r in trace if r.cached_tokens is not None]
+    if not known:
+        return {}
+    prompt = sum(len(r.tokens) for r in known)
+    cached = sum(r.cached_tokens for r in known)
+    return {"live": {"requests": len(known), "prompt_tokens": prompt, "cached_tokens": cached,
+                     "hit_rate": cached / prompt}}  # fmt: skip
+
+
+def warnings_for(trace: list[TraceRequest], page_size: int, runs: list[dict] = ()) -> list[str]:
+    """Cases where the numbers mean less than they seem: one request, prompts too
+    short for a page, and runs in which requests did not fit the pool."""
+    out = []
+    if len(trace) == 1:
+        out.append("the trace has one request: there is nothing earlier to share, so every hit rate is 0")
+    short = sum(len(r.tokens) <= page_size for r in trace)
+    if short:
+        out.append(f"{short} of {len(trace)} prompts are no longer than a page ({page_size} tokens): only whole pages "
+                   f"are shared and a prompt's last token is always computed, so they can never hit (try a smaller "
+                   f"--page-size)")  # fmt: skip
+    longest = max(ceil_div(len(r.tokens) + r.num_output, page_size) for r in trace)
+    for r in runs:
+        if r.get("rejected"):
+            where = f"{r['capacity_pages']} pages" + (f" ({r['label']})" if r.get("label") else f", {r['policy']}")
+            out.append(f"{r['rejected']} of {r['requests']} requests did not fit a pool of {where}: the longest "
+                       f"request needs {longest} pages alone; they were skipped after what they could compute")  # fmt: skip
+    return out
+
+
+def explain_identical(result: dict) -> list[str]:
+    """A sentence for each group of policies with equal hits at every capacity, saying
+    why (nothing evicted, every request a miss, all at the unlimited rate, or evictions
+    that never cost a later hit)."""
+    runs = result["runs"]
+    by_policy: dict[str, list[dict]] = {}
+    for r in runs:
+        by_policy.setdefault((r.get("kv_dtype"), r["policy"]), []).append(r)
+    groups: dict[tuple, list[str]] = {}
+    for (fmt, name), mine in by_policy.items():
+        key = (fmt, tuple((r.get("pool_bytes"), r["capacity_pages"], r["hit_tokens"]) for r in mine))
+        groups.setdefault(key, []).append(name)
+    out = []
+    unlimited = result["unlimited"]["hit_tokens"]
+    for (fmt, key), names in groups.items():
+        if len(names) < 2:
+            continue
+        mine = [r for r in runs if r.get("kv_dtype") == fmt and r["policy"] == names[0]]
+        if all(r["evicted_pages"] == 0 for r in mine):
+            why = "nothing was evicted at these capacities, so no policy ever chose a victim"
+        elif all(r["hit_tokens"] == 0 for r in mine):
+            why = "every request was a miss: no prompt found a whole page of an earlier one still cached"
+        elif all(r["hit_tokens"] == unlimited for r in mine):
+            why = "each reached the unlimited hit rate: nothing they evicted was asked for again"
+        else:
+            why = ("pages were evicted, but each policy kept the same pages that later requests needed (their "
+                   "eviction orders agree on this trace, e.g. when prefixes are reused in the order they were "
+                   "first used)")
+        label = " and ".join(names) if len(names) == 2 else ", ".join(names[:-1]) + " and " + names[-1]
+        out.append(f"{label} are identical here{f' ({fmt})' if fmt else ''}: {why}.")
+    return out
+
+
+# -- what-if: one trace under several configurations ---------------------------------------
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """One configuration to replay. ``capacity_pages`` None: unlimited. ``pool_bytes``,
+    ``kv_dtype`` and ``bytes_per_page`` say where the pages came from (informative)."""
+
+    label: str
+    capacity_pages: int | None
+    page_size: int = 16
+    policy: str = "lru"
+    in_flight: int = 1
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    host_pages: int | None = None
+    store_pages: int | None = None
+    kv_dtype: str | None = None
+    pool_bytes: int | None = None
+    bytes_per_page: int | None = None
+
+
+def what_if(trace: list[TraceRequest], configs: list[WhatIf], prefill_tok_s: float = DEFAULT_PREFILL_TOK_S,
+            decode_tok_s: float = DEFAULT_DECODE_TOK_S, arrivals: bool = True) -> dict:  # fmt: skip
+    """Replay ``trace`` once per configuration. Returns ``prefill_tok_s`` and
+    ``configs``: per configuration its settings and result (``run_dict``) with
+    ``prefill_tokens_saved`` (the hit tokens: prompt tokens not computed),
+    ``prefill_tokens`` (those computed) and their estimated seconds at
+    ``prefill_tok_s`` (``est_prefill_s_saved``, ``est_prefill_s``)."""
+    out = []
+    for c in configs:
+        result = replay(trace, c.capacity_pages, c.page_size, c.policy, c.in_flight, c.chunk_size, c.host_pages,
+                        c.store_pages, arrivals, prefill_tok_s, decode_tok_s)  # fmt: skip
+        row = {**asdict(c), **run_dict(trace, result), "unlimited": c.capacity_pages is None}
+        row["prefill_tokens_saved"] = saved = row["cached_tokens"]
+        row["prefill_tokens"] = row["prompt_tokens"] - saved
+        row["est_prefill_s_saved"] = saved / prefill_tok_s
+        row["est_prefill_s"] = row["prefill_tokens"] / prefill_tok_s
+        out.append(row)
+    return {"prefill_tok_s": prefill_tok_s, "configs": out, **_live(trace)}
+
+
+def format_what_if(result: dict) -> str:
+    """One row per configuration: pages, hit rate, prefill tokens saved and computed,
+    estimated prefill seconds saved (at the result's ``prefill_tok_s``)."""
+    rows = [["config", "pages", "hit % of prompt", "prefill tok saved", "prefill tok computed", "est. prefill s saved"]]
+    for r in result["configs"]:
+        rows.append([r["label"], "unlimited" if r["unlimited"] else str(r["capacity_pages"]), f"{100 * r['cached_tokens'] / max(r['prompt_tokens'], 1):.2f}",
+                     f"{r['prefill_tokens_saved']:,}", f"{r['prefill_tokens']:,}", f"{r['est_prefill_s_saved']:,.1f}"])  # fmt: skip
+    if "live" in result:
+        live = result["live"]
+        rows.append([f"live run ({live['requests']} requests)", "", f"{100 * live['hit_rate']:.2f}",
+                     f"{live['cached_tokens']:,}", f"{live['prompt_tokens'] - live['cached_tokens']:,}", ""])  # fmt: skip
+    return _render(rows, left=1)
+
+
+def format_breakdown(result: dict, key: str, limit: int = 20) -> str:
+    """The ``by_<key>`` breakdown as a table: a row per namespace or session (the
+    ``limit`` largest by prompt tokens), columns: requests, prompt tokens, live hit %
+    (when known), then the replay's hit % unlimited and per run (each run of the first
+    policy, or each what-if configuration). "" when the result has no such breakdown."""
+    field = f"by_{key}"
+    if "configs" in result:
+        cols = [(r["label"], r) for r in result["configs"]]
+        base = result["configs"][0]
+    else:
+        first = result["runs"][0]["policy"] if result["runs"] else None
+        mine = [r for r in result["runs"] if r["policy"] == first and r.get("kv_dtype") == result["runs"][0].get("kv_dtype")]
+        cols = [("unlimited", result["unlimited"])] + [
+            (f"{first} {format_bytes(r['pool_bytes']) if 'pool_bytes' in r else r['capacity_pages']}", r) for r in mine]
+        base = result["unlimited"]
+    if field not in base:
+        return ""
+    groups = base[field]
+    names = sorted(groups, key=lambda n: -groups[n]["prompt_tokens"])
+    live = any("live_hit_rate" in g for g in groups.values())
+    rows = [[key, "requests", "prompt tok"] + (["live %"] if live else []) + [f"{c} %" for c, _ in cols]]
+    for name in names[:limit]:
+        g = groups[name]
+        row = [name, str(g["requests"]), f"{g['prompt_tokens']:,}"]
+        if live:
+            row.append(f"{100 * g['live_hit_rate']:.2f}" if "live_hit_rate" in g else "-")
+        rows.append(row + [f"{100 * r[field][name]['hit_rate']:.2f}" for _, r in cols])
+    text = _render(rows, left=1)
+    if len(names) > limit:
+        text += f"\n({len(names) - limit} more {key}s in the JSON)"
+    return text
 
 
 def format_bytes(n: int) -> str:
@@ -369,10 +642,11 @@ def format_byte_table(result: dict) -> str:
     return _render(rows)
 
 
-def _render(rows: list[list[str]]) -> str:
-    """Right-aligned columns, a rule under the first row."""
+def _render(rows: list[list[str]], left: int = 0) -> str:
+    """Right-aligned columns (the first ``left`` left-aligned), a rule under the first row."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -395,6 +669,19 @@ def format_table(result: dict) -> str:
     return _render(rows)
 
 
+MARKERS = "osD^vP*X"
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def line_style(i: int) -> dict:
+    """Line ``i``'s matplotlib style: every line a distinct marker and line style (and
+    a shrinking hollow marker), so curves that coincide stay visible on top of each
+    other."""
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)],
+            "markersize": max(4.0, 11.0 - 1.5 * (i % 5)), "markerfacecolor": "none", "markeredgewidth": 1.5,
+            "linewidth": 1.6, "zorder": 3 + i}  # fmt: skip
+
+
 def plot(result: dict, path: str | Path, title: str = "") -> None:
     """Write a PNG of hit rate against capacity, one line per policy."""
     import matplotlib
@@ -405,14 +692,12 @@ def plot(result: dict, path: str | Path, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = result["runs"]
     by_bytes = "kv_dtype" in runs[0] if runs else False  # a byte_sweep: x is the pool size, a line per format
-    markers = "osD^vP*X"
     lines = dict.fromkeys((r.get("kv_dtype"), r["policy"]) for r in runs)
     x, unit = ("pool_bytes", 1 << 30) if by_bytes else ("capacity_fraction", 1)
     for i, (fmt, name) in enumerate(lines):
         mine = [r for r in runs if r.get("kv_dtype") == fmt and r["policy"] == name]
         pts = sorted((r[x] / unit, 100 * r["hit_rate"]) for r in mine)
-        style = "--" if name == "belady" else ("-", "-.", ":")[i // len(markers) % 3]
-        ax.plot(*zip(*pts), style, marker=markers[i % len(markers)], label=f"{fmt} {name}" if by_bytes else name)
+        ax.plot(*zip(*pts), label=f"{fmt} {name}" if by_bytes else name, **line_style(i))
     ax.axhline(100 * result["unlimited"]["hit_rate"], color="gray", linestyle=":", label="unlimited")
     ax.set_xlabel("KV pool (GiB)" if by_bytes else "cache capacity (fraction of unique pages)")
     ax.set_ylabel("prefix hit rate (%)")
