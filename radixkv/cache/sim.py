@@ -102,7 +102,9 @@ DEFAULT_CHUNK_SIZE = 512  # EngineConfig.chunked_prefill_size's default (a test 
 # attention backend), measured with radixkv.engine.engine.Engine on 2026-11-23 on a 2-core
 # x86_64 AMD EPYC VM shared with other work: a 2048-token prompt prefilled in 7.46 s
 # (median of 3: 7.09, 7.46, 7.80 s), and 64 tokens decoded after a 256-token prompt at
-# 13.1-13.9 tok/s. `radixkv sim --prefill-tok-s / --decode-tok-s` override them.
+# 13.1-13.9 tok/s. Re-measured under contention (load average 3.5-4.6 on the 2 cores) the
+# same day: 107 tok/s prefill, 7-8 tok/s decode. `radixkv sim --prefill-tok-s /
+# --decode-tok-s` override them.
 DEFAULT_PREFILL_TOK_S = 275.0
 DEFAULT_DECODE_TOK_S = 13.5
 
