@@ -29,6 +29,14 @@ json_schema=..., choices=...)``, ``select(choices_method=...)`` (``choices.py``)
 defaults, ``run_batch`` of dicts or tuples, ``s[name] = value``. With a text-level
 backend (``OpenAIBackend``) segments carry no token ids: the finished messages (or the
 text) are sent and the server tokenizes.
+
+``fn.run(..., record_trace=PATH)``, ``run_batch(..., record_trace=PATH)`` and
+``set_default_backend(backend, record_trace=PATH)`` write every request the program sends
+(gens, selects' scoring calls, forks' prefixes) as a ``radixkv sim`` trace line
+(``radixkv.cache.capture``): session = the program run's id, shared by its forks. The
+first use of a path in a process starts the file; later runs append under the same clock.
+Over ``OpenAIBackend`` the prompt ids are the server's: lines carry ``text`` or
+``messages`` and the output as a count.
 """
 
 from __future__ import annotations
@@ -38,11 +46,13 @@ import json
 import queue
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+from radixkv.cache.capture import TraceWriter
 from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
 from radixkv.frontend.choices import ChoicesSamplingMethod, token_length_normalized
 
@@ -332,6 +342,8 @@ class ProgramState:
         self._error: BaseException | None = None
         self._computed = 0  # prompt tokens the runtime is known to hold (fork prefixes)
         self._finished = False  # the program returned: variables may still be set, nothing added
+        self._trace: TraceWriter | None = None  # record_trace: every call becomes a trace line
+        self._session: str | None = None  # the program run's id in the trace (forks share it)
         if _parent is not None:
             self._copy_from(_parent)
 
@@ -507,7 +519,7 @@ class ProgramState:
                         result = item
             else:
                 (result,) = self.backend.generate([prompt], params)
-        self._record("gen", g.name, prompt, result, time.perf_counter() - t0)
+        self._record("gen", g.name, prompt, result, time.perf_counter() - t0, params.get("priority", 0))
         ids = list(result.token_ids)
         if not self.backend.token_level:
             ids = []
@@ -624,7 +636,7 @@ class ProgramState:
                 raise BackendError(f"the server returned no logprobs for the choice {choice!r}")
             keys.append(list(sc.tokens))
             conditional.append(list(sc.logprobs))
-            self._record("select", sel.name, (), sc.result, seconds)
+            self._record("select", sel.name, (), sc.result, seconds, sent=prompt + choice)
         uncond = None
         if unconditional:
             t0 = time.perf_counter()
@@ -637,13 +649,25 @@ class ProgramState:
                                        f"({sc.tokens}) than after the prompt ({key}); unconditional_likelihood_"
                                        f"normalized needs the same tokens")  # fmt: skip
                 uncond.append([None, *sc.logprobs[1:]])
-                self._record("select", sel.name, (), sc.result, seconds)
+                self._record("select", sel.name, (), sc.result, seconds, sent=choice)
         return keys, conditional, uncond
 
-    def _record(self, kind, name, prompt, r: CallResult, seconds) -> None:
+    def _record(self, kind, name, prompt, r: CallResult, seconds, priority: int = 0, sent=None) -> None:
+        """Keep the call (``calls``) and, with record_trace, queue its trace line. ``sent``:
+        what a text-level backend was sent when ``prompt`` does not say it."""
         ids = tuple(prompt) if self.backend.token_level else ()
         self.calls.append(CallRecord(kind, name, ids, r.prompt_tokens, r.cached_tokens, r.generated, seconds,
                                      r.ttft))  # fmt: skip
+        if self._trace is None:
+            return
+        common = {"salt": _salt(self.backend), "arrival": time.perf_counter() - seconds, "priority": priority or 0,
+                  "session": self._session, "cached_tokens": r.cached_tokens}  # fmt: skip
+        if self.backend.token_level:
+            self._trace.record(ids, list(r.token_ids), **common)
+        else:  # the server tokenized: what was sent, and the output as a count
+            sent = prompt if sent is None else sent
+            self._trace.record(None, r.generated, **common,
+                               **({"messages": sent} if isinstance(sent, list) else {"text": sent}))  # fmt: skip
 
     # -- forks -------------------------------------------------------------------------------
 
@@ -674,6 +698,7 @@ class ProgramState:
         self._loose_text = parent._loose_text
         self.variables = dict(parent.variables)
         self._computed = parent._computed
+        self._trace, self._session = parent._trace, parent._session
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -832,11 +857,53 @@ class ForkGroup:
 # -- functions ----------------------------------------------------------------------------------
 
 _default_backend: Backend | None = None
+_default_trace: TraceWriter | None = None
+_writers: dict[str, TraceWriter] = {}
+_writers_lock = threading.Lock()
 
 
-def set_default_backend(backend: Backend | None) -> None:
-    global _default_backend
+def set_default_backend(backend: Backend | None, record_trace: str | TraceWriter | None = None) -> None:
+    """The backend of runs that pass none; with ``record_trace`` (a path or a
+    TraceWriter) those runs record their calls there unless they pass their own."""
+    global _default_backend, _default_trace
     _default_backend = backend
+    _default_trace = None if record_trace is None else trace_writer(record_trace)
+
+
+def trace_writer(record_trace: str | TraceWriter) -> TraceWriter:
+    """The writer of a path: opened (the file started) on its first use in this process,
+    shared afterwards. A TraceWriter is taken as it is."""
+    if isinstance(record_trace, TraceWriter):
+        return record_trace
+    import os
+
+    key = os.path.abspath(os.fspath(record_trace))
+    with _writers_lock:
+        writer = _writers.get(key)
+        if writer is None:
+            writer = _writers[key] = TraceWriter(key)
+        return writer
+
+
+def _salt(backend: Backend) -> str | None:
+    """The cache salt a backend sends with every request, if any."""
+    for attr in ("namespace", "cache_salt"):  # EngineBackend, RuntimeEndpoint
+        value = getattr(backend, attr, None)
+        if isinstance(value, str):
+            return value
+    salt = (getattr(backend, "extra_body", None) or {}).get("cache_salt")  # OpenAIBackend
+    return salt if isinstance(salt, str) else None
+
+
+def _run_trace(backend: Backend | None, record_trace) -> TraceWriter | None:
+    if record_trace is not None:
+        return trace_writer(record_trace)
+    return _default_trace if backend is None or backend is _default_backend else None
+
+
+def _start_trace(s: ProgramState, trace: TraceWriter | None, name: str) -> None:
+    if trace is not None:
+        s._trace, s._session = trace, f"{name}-{uuid.uuid4().hex[:12]}"
 
 
 def _backend(backend: Backend | None) -> Backend:
@@ -883,15 +950,18 @@ class ProgramFunction:
         except TypeError as e:
             raise ProgramError(f"{self.__name__}(...): {e}") from None
 
-    def run(self, *args, backend: Backend | None = None, stream: bool = False, **kwargs) -> ProgramState:
+    def run(self, *args, backend: Backend | None = None, stream: bool = False,
+            record_trace: str | TraceWriter | None = None, **kwargs) -> ProgramState:
         """Run the program to the end and return its state. Keywords named like
         SamplingParams fields (``max_new_tokens``, ``temperature``, ``top_p``, ``stop``,
         ... but not a parameter of the program) are defaults for every gen that does not
         set them. With ``stream=True`` it runs in the background and returns at once:
-        read ``state.text_iter()``."""
+        read ``state.text_iter()``. ``record_trace``: a path (or TraceWriter) that gets a
+        trace line per call (module docstring)."""
         defaults, kwargs = self._split(kwargs)
         self._bind(args, kwargs)
         s = ProgramState(_backend(backend), stream=stream, defaults=defaults)
+        _start_trace(s, _run_trace(backend, record_trace), self.__name__)
         if not stream:
             self._execute(s, args, kwargs)
             return s
@@ -911,10 +981,12 @@ class ProgramFunction:
             self.fn(s, *args, **kwargs)
         finally:
             s._finish()
+            if s._trace is not None:
+                s._trace.flush()  # the file holds the run's lines when run returns
 
     def run_batch(self, batch_kwargs: Sequence[dict | tuple | list], *, backend: Backend | None = None,
                   num_threads: int | str = 16, progress_bar: bool = False,
-                  **defaults) -> list[ProgramState]:  # fmt: skip
+                  record_trace: str | TraceWriter | None = None, **defaults) -> list[ProgramState]:  # fmt: skip
         """Run the program once per item, ``num_threads`` at a time ("auto": 16); states
         in order. An item is a dict of keyword arguments or a tuple (or list) of
         positional ones. Other keywords (``temperature=``, ``max_new_tokens=``, ...) are
@@ -945,6 +1017,7 @@ class ProgramFunction:
                 raise ProgramError(f"run_batch item {i}: {e}") from None
             calls.append((args, kwargs))
         chosen = _backend(backend)
+        trace = _run_trace(backend, record_trace)  # each run is its own session
         states: list[ProgramState | None] = [None] * len(calls)
         bar = None
         if progress_bar:
@@ -954,6 +1027,7 @@ class ProgramFunction:
 
         def one(i: int) -> None:
             s = ProgramState(chosen, defaults=defaults)
+            _start_trace(s, trace, self.__name__)
             states[i] = s
             try:
                 self._execute(s, *calls[i])
