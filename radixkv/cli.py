@@ -6,6 +6,7 @@
     radixkv sim TRACE.jsonl [options]    replay your own trace, sweep capacities, plot
     radixkv sim --workload mixed         the same on a built-in workload (rag, agent: the bench's programs)
     radixkv sim ... --pool-bytes 1GiB,4GiB --kv-dtype fp32,int8   hit rate per KV format at fixed memory
+    radixkv sim TRACE --what-if pool-bytes=64MiB,policy=lru --what-if pool-bytes=64MiB,kv-dtype=int8   side by side
     radixkv kv-scales --text FILE --out scales.json     fp8 KV scales measured on your text
     radixkv --version                    the installed package's version
 
@@ -118,6 +119,37 @@ class _Version(argparse.Action):
 
 
 PROGRAM_WORKLOADS = ("rag", "agent")  # radixkv.workloads programs, traced with the model's tokenizer
+_PREFILL_TOK_S, _DECODE_TOK_S = 275.0, 13.5  # radixkv.cache.sim's defaults (a test keeps them equal)
+_MAX_RUNNING = 64  # EngineConfig.max_running (a test keeps them equal)
+_WHAT_IF_KEYS = ("name", "pool-bytes", "pages", "page-size", "policy", "kv-dtype", "host-pages", "store-pages",
+                 "in-flight", "chunk-size")  # fmt: skip
+
+
+def _what_if(text: str) -> dict:
+    """``--what-if pool-bytes=64MiB,page-size=16,policy=lru``: the given keys, parsed."""
+    convert = {"pool-bytes": lambda v: _sizes(v)[0], "page-size": _positive, "host-pages": _positive,
+               "store-pages": _positive, "in-flight": _positive, "name": str,
+               "pages": lambda v: None if v == "unlimited" else _positive(v),
+               "policy": lambda v: v if v == "belady" else _policies(v)[0] if "," not in v else _policies("?"),
+               "kv-dtype": lambda v: _kv_dtypes(v)[0] if "," not in v else _kv_dtypes("?"),
+               "chunk-size": lambda v: _positive(v) if v != "0" else 0}  # fmt: skip
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in _WHAT_IF_KEYS:
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r}: expected KEY=VALUE with KEY one of "
+                                             f"{', '.join(_WHAT_IF_KEYS)}")  # fmt: skip
+        if key in out:
+            raise argparse.ArgumentTypeError(f"{key!r} given twice in {text!r}")
+        try:
+            out[key] = convert[key](value.strip())
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{key} in {text!r}: {e}") from None
+    if "pool-bytes" in out and "pages" in out:
+        raise argparse.ArgumentTypeError(f"give pool-bytes or pages, not both, in {text!r}")
+    out["_text"] = text
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")
     src = sim.add_mutually_exclusive_group(required=True)
-    src.add_argument("trace", nargs="?", help="JSONL trace, one request a line: {\"tokens\": [...], ...}")
+    src.add_argument("trace", nargs="?",
+                     help="JSONL trace, one request a line: {\"tokens\": [...]} or {\"text\": ...} or "
+                          "{\"messages\": [...]}, optionally namespace, output_tokens, priority, arrival, session, "
+                          "cached_tokens (radixkv.cache.traces)")  # fmt: skip
     src.add_argument("--workload", choices=sorted({*WORKLOADS, *PROGRAM_WORKLOADS}),
                      help="a built-in workload instead: synthetic token streams, or rag / agent (the programs "
                           "`radixkv bench` runs, with the model's tokenizer and chat template)")  # fmt: skip
@@ -173,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--kv-dtype", type=_kv_dtypes, default=("fp32",),
                      help="with --pool-bytes: comma-separated KV formats to compare, e.g. fp32,int8 (default fp32)")
     sim.add_argument("--model", default=None,
-                     help="with --pool-bytes: the model whose KV shape sizes a page (default: the embedded model)")
+                     help="the model whose tokenizer and chat template encode 'text' / 'messages' trace lines (as "
+                          "the server does) and whose KV shape sizes a page for --pool-bytes (default: the "
+                          "embedded model)")  # fmt: skip
     sim.add_argument(
         "--policy", type=_policies, default=d.policies,
         help=f"comma-separated eviction policies (default {','.join(d.policies)})",
@@ -185,7 +222,27 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--store-pages", type=_positive, default=None,
                      help="a store of this many pages below those (written back as pages leave the tiers above); "
                           "a 'from store' row says what it served")  # fmt: skip
-    sim.add_argument("--in-flight", type=_positive, default=d.in_flight, help="requests in flight at once (default 1)")
+    sim.add_argument("--in-flight", type=_positive, default=None,
+                     help="requests in flight at once (default 1; with arrival times, the engine's max_running: "
+                          "%d)" % _MAX_RUNNING)  # fmt: skip
+    sim.add_argument("--ignore-arrival", action="store_true",
+                     help="replay a trace with arrival times in file order, one request after another as without "
+                          "them; by default a timed trace runs in arrival order: a request is admitted at its "
+                          "arrival or when one of --in-flight slots frees, and stays in flight for its uncached "
+                          "prompt at --prefill-tok-s plus its outputs at --decode-tok-s")  # fmt: skip
+    sim.add_argument("--what-if", action="append", type=_what_if, metavar="KEY=VALUE,...",
+                     help="replay the trace under this configuration (repeat for several, side by side): keys "
+                          "pool-bytes (e.g. 64MiB: pages from kv-dtype and --model), pages (or 'unlimited'), page-size, "
+                          "policy, kv-dtype, host-pages, store-pages, in-flight, chunk-size, name; unset keys come "
+                          "from the other flags. Prints per configuration the hit rate, prefill tokens saved and "
+                          "the estimated prefill seconds saved")  # fmt: skip
+    sim.add_argument("--prefill-tok-s", type=float, default=None,
+                     help="prefill tokens/s for the time estimates (default %.0f: SmolLM2-135M fp32, a 2048-token "
+                          "prompt, measured 2026-11-23 on a 2-core x86_64 AMD EPYC VM; measure yours: README)"
+                          % _PREFILL_TOK_S)  # fmt: skip
+    sim.add_argument("--decode-tok-s", type=float, default=None,
+                     help="one sequence's decode tokens/s for timed traces (default %.1f, measured alike)"
+                          % _DECODE_TOK_S)  # fmt: skip
     sim.add_argument("--chunk-size", type=int, default=d.chunk_size,
                      help=f"prefill chunk in tokens, as the engine's --chunked-prefill-size; 0: whole prompts "
                           f"(default {d.chunk_size})")  # fmt: skip
@@ -227,12 +284,14 @@ def cmd_sim(args) -> int:
     from radixkv.cache import sim, traces
 
     if args.trace:
-        trace = traces.load_jsonl(args.trace)
+        from radixkv.workloads.prompt_encoder import ModelPromptEncoder
+
+        trace = traces.load_jsonl(args.trace, ModelPromptEncoder(args.model))  # text / messages lines: --model's
         title = Path(args.trace).name
     elif args.workload in PROGRAM_WORKLOADS:
         from radixkv import workloads
 
-        trace = workloads.trace(workloads.make(args.workload, args.seed))
+        trace = workloads.trace(workloads.make(args.workload, args.seed), args.model)
         title = f"{args.workload} program (seed {args.seed})"
     else:
         trace = traces.synthetic(args.workload, args.seed)
@@ -242,27 +301,95 @@ def cmd_sim(args) -> int:
     if args.chunk_size < 0:
         print("radixkv sim: --chunk-size must be >= 0", file=sys.stderr)
         return 2
-    if args.pool_bytes:  # a model that cannot be read, or a pool too small for a page: main's error exit
-        per_page = _bytes_per_page(args.model, args.kv_dtype, args.page_size)
-        result = sim.byte_sweep(trace, args.page_size, args.pool_bytes, per_page, args.policy, args.in_flight,
-                                chunk_size=args.chunk_size or None, host_pages=args.host_pages,
-                                store_pages=args.store_pages)  # fmt: skip
-        table = sim.format_byte_table(result)
+    for flag in ("prefill_tok_s", "decode_tok_s"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+            print(f"radixkv sim: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
+    arrivals = sim.timed(trace) and not args.ignore_arrival
+    in_flight = args.in_flight or (_MAX_RUNNING if arrivals else SimConfig().in_flight)
+    timing = {"arrivals": arrivals, "prefill_tok_s": args.prefill_tok_s or sim.DEFAULT_PREFILL_TOK_S,
+              "decode_tok_s": args.decode_tok_s or sim.DEFAULT_DECODE_TOK_S}  # fmt: skip
+    order = (f"in arrival order, up to {in_flight} in flight" if arrivals
+             else f"in file order, {in_flight} in flight")  # fmt: skip
+    if args.what_if:
+        configs = [_what_if_config(w, args, in_flight) for w in args.what_if]
+        result = sim.what_if(trace, configs, **timing)
+        print(f"{title}: {len(trace)} requests {order}; prefill time at {timing['prefill_tok_s']:g} tok/s")
+        print(sim.format_what_if(result))
+        runs, explain = result["configs"], []
+        sizes = {c.page_size for c in configs}
     else:
-        result = sim.sweep(
-            trace, args.page_size, args.policy, args.capacity, args.capacity_pages, args.in_flight, not args.no_belady,
-            chunk_size=args.chunk_size or None, host_pages=args.host_pages, store_pages=args.store_pages,
-        )  # fmt: skip
-        table = sim.format_table(result)
-    print(f"{title}: {len(trace)} requests, {result['unique_pages']} unique pages of {args.page_size} tokens")
-    print(table)
+        if args.pool_bytes:  # a model that cannot be read, or a pool too small for a page: main's error exit
+            per_page = _bytes_per_page(args.model, args.kv_dtype, args.page_size)
+            result = sim.byte_sweep(trace, args.page_size, args.pool_bytes, per_page, args.policy, in_flight,
+                                    chunk_size=args.chunk_size or None, host_pages=args.host_pages,
+                                    store_pages=args.store_pages, **timing)  # fmt: skip
+            table = sim.format_byte_table(result)
+        else:
+            result = sim.sweep(
+                trace, args.page_size, args.policy, args.capacity, args.capacity_pages, in_flight,
+                not args.no_belady, chunk_size=args.chunk_size or None, host_pages=args.host_pages,
+                store_pages=args.store_pages, **timing,
+            )  # fmt: skip
+            table = sim.format_table(result)
+        print(f"{title}: {len(trace)} requests {order}, {result['unique_pages']} unique pages of "
+              f"{args.page_size} tokens")  # fmt: skip
+        print(table)
+        if "live" in result:
+            live = result["live"]
+            print(f"live run: {100 * live['hit_rate']:.2f}% of {live['prompt_tokens']:,} prompt tokens cached "
+                  f"({live['requests']} requests reported)")  # fmt: skip
+        runs, explain = result["runs"], sim.explain_identical(result)
+        sizes = {args.page_size}
+    for key in ("namespace", "session"):
+        text = sim.format_breakdown(result, key)
+        if text:
+            print(f"\nby {key} (hit % of prompt tokens):\n{text}")
+    for line in explain:
+        print(line)
+    notes = [w for size in sorted(sizes) for w in sim.warnings_for(trace, size, runs)]
+    result["warnings"] = notes
+    result["notes"] = explain
+    for w in notes:
+        print(f"radixkv sim: warning: {w}", file=sys.stderr)
     if args.json:
         sim.write_json(result, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        sim.plot(result, args.plot, f"{title}, page size {args.page_size}")
-        print(f"wrote {args.plot}")
+        if args.what_if:
+            print("radixkv sim: --plot draws capacity sweeps; the what-if table has no plot", file=sys.stderr)
+        else:
+            sim.plot(result, args.plot, f"{title}, page size {args.page_size}")
+            print(f"wrote {args.plot}")
     return 0
+
+
+def _what_if_config(spec: dict, args, in_flight: int):
+    """A ``--what-if`` spec with the unset keys from the other flags: pages from
+    pool-bytes (kv-dtype's bytes per page of --model), else pages, else the first
+    --pool-bytes / --capacity-pages, else unlimited."""
+    from radixkv.cache.sim import WhatIf
+
+    page_size = spec.get("page-size", args.page_size)
+    kv_dtype = spec.get("kv-dtype", args.kv_dtype[0])
+    pool_bytes = spec.get("pool-bytes")
+    if pool_bytes is None and "pages" not in spec and args.pool_bytes:
+        pool_bytes = args.pool_bytes[0]
+    per_page = pages = None
+    if pool_bytes is not None:
+        per_page = _bytes_per_page(args.model, (kv_dtype,), page_size)[kv_dtype]
+        pages = pool_bytes // per_page
+        if pages < 1:
+            raise ValueError(f"--what-if {spec['_text']!r}: {pool_bytes} bytes hold no page of {kv_dtype} "
+                             f"({per_page} bytes per page)")  # fmt: skip
+    elif "pages" in spec:
+        pages = spec["pages"]
+    elif args.capacity_pages:
+        pages = args.capacity_pages[0]
+    chunk = spec.get("chunk-size", args.chunk_size)
+    return WhatIf(spec.get("name", spec["_text"]), pages, page_size, spec.get("policy", args.policy[0]),
+                  spec.get("in-flight", in_flight), chunk or None, spec.get("host-pages", args.host_pages),
+                  spec.get("store-pages", args.store_pages), kv_dtype, pool_bytes, per_page)  # fmt: skip
 
 
 def _bytes_per_page(model: str | None, formats: tuple[str, ...], page_size: int) -> dict[str, int]:

@@ -280,16 +280,17 @@ def test_metrics_parse_and_move(http):
     # the salt's namespace has an opaque label, never the salt itself
     (ns,) = {labels for name, labels in after if name == "radixkv_prefix_cache_queries_total"
              and moved(name, labels)}  # fmt: skip
-    assert ns[0][0] == "namespace" and re.fullmatch("ns-[0-9a-f]{12}", ns[0][1])
+    assert dict(ns)["model_name"] == MODEL and re.fullmatch("ns-[0-9a-f]{12}", dict(ns)["namespace"])
     assert "tenant-a" not in http.get("/metrics").text
 
     assert moved("radixkv_prefix_cache_queries_total", ns) == sum(o["prompt_tokens"] for o in outs)
     assert moved("radixkv_prefix_cache_hits_total", ns) == sum(o["cached_tokens"] for o in outs) > 0
-    assert moved("radixkv_generation_tokens_total") == 10
-    assert moved("radixkv_prompt_tokens_total") == sum(o["prompt_tokens"] for o in outs)
-    assert moved("radixkv_time_to_first_token_seconds_count") == 2
-    assert moved("radixkv_inter_token_latency_seconds_count") == 8
-    assert moved("radixkv_requests_total", (("endpoint", "/generate"), ("finish_reason", "length"))) == 2
+    m = (("model_name", MODEL),)
+    assert moved("radixkv_generation_tokens_total", m) == 10
+    assert moved("radixkv_prompt_tokens_total", m) == sum(o["prompt_tokens"] for o in outs)
+    assert moved("radixkv_time_to_first_token_seconds_count", m) == 2
+    assert moved("radixkv_inter_token_latency_seconds_count", m) == 8
+    assert moved("radixkv_requests_total", (("endpoint", "/generate"), ("finish_reason", "length"), *m)) == 2
     assert 0 < after[("radixkv_kv_usage_ratio", ())] <= 1
     assert after[("radixkv_num_requests_running", ())] == 0
     for name in ("radixkv_preemptions_total", "radixkv_prefix_cache_evicted_pages_total",

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
+from radixkv.cache.capture import SESSION, TraceWriter
 from radixkv.cache.compress import resolve_policy
 from radixkv.cache.manager import check_flush_tiers
 from radixkv.errors import FieldError
@@ -49,6 +50,7 @@ class _Sink:
         self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.result: RequestOutput | None = None
         self._left = n
+        self.trace: tuple | None = None  # (prompt ids, namespace, priority, session) while a trace is recorded
 
     def chunk(self, chunk: StreamChunk) -> None:
         if self.queue is not None:
@@ -139,6 +141,9 @@ class Engine:
         self._replies: dict[int, Reply] = {}
         self._qids = itertools.count()
         self._closed = False
+        # Set (radixkv serve --record-trace) to write every finished request as a trace line
+        # (radixkv.cache.capture): the dispatcher queues it, the writer's thread writes it.
+        self.trace_writer: TraceWriter | None = None
         self._thread = threading.Thread(target=self.loop.run, args=(self._commands,), name="radixkv-engine",
                                         daemon=True)  # fmt: skip
         self._dispatcher = threading.Thread(target=self._dispatch, name="radixkv-output", daemon=True)
@@ -317,6 +322,8 @@ class Engine:
         self.check_policy(params, len(ids))
         rid = new_rid()
         sink = self._sinks[rid] = _Sink(rid, params.n, loop, stream)
+        if self.trace_writer is not None:
+            sink.trace = (ids, namespace, params.priority, SESSION.get())
         now = time.perf_counter()
         reqs = tuple(
             NewRequest(rid, i, ids, params, namespace,
@@ -400,6 +407,17 @@ class Engine:
         finally:
             self._replies.pop(qid, None)
 
+    def _trace(self, sink: _Sink) -> None:
+        """Queue a finished request's trace line (the first completion's ids; a failed
+        request is left out). Dispatcher thread."""
+        out = sink.result
+        if out is None or out.error is not None:
+            return
+        ids, namespace, priority, session = sink.trace
+        self.trace_writer.record(ids, out.outputs[0].token_ids, salt=namespace, priority=priority, session=session,
+                                 arrival=out.metrics.arrival_time if out.metrics else None,
+                                 cached_tokens=out.cached_tokens)  # fmt: skip
+
     def _dispatch(self) -> None:
         """The dispatcher thread: route each output of the loop to its sink or reply.
         When the loop stops, whatever still waits fails instead of hanging."""
@@ -413,6 +431,8 @@ class Engine:
                 sink = self._sinks.get(msg.rid)
                 if sink is not None and sink.finished(msg):
                     del self._sinks[msg.rid]
+                    if sink.trace is not None and self.trace_writer is not None:
+                        self._trace(sink)
             elif isinstance(msg, QueryDone):
                 reply = self._replies.get(msg.qid)
                 if reply is not None:

@@ -45,12 +45,14 @@ from typing import AsyncIterator
 
 import msgspec
 
+from radixkv.cache.capture import MAX_SESSION_CHARS, SESSION, SESSION_HEADER, TraceWriter
 from radixkv.cache.manager import check_flush_tiers
 from radixkv.engine.engine import Engine, RequestStream
 from radixkv.engine.request import RequestOutput, StreamChunk
 from radixkv.engine.constrain import KINDS as GRAMMAR_FIELDS
 from radixkv.engine.sampling import MAX_N
 from radixkv.errors import FieldError, IntegrityError
+from radixkv.server import ops
 from radixkv.server import protocol as P
 from radixkv.server.metrics import CONTENT_TYPE, Metrics
 from radixkv.server.tools import ToolSpec, ToolStream, generic_messages, parse_tool_calls, tool_format, tool_grammar, tool_spec
@@ -77,15 +79,25 @@ class ServerConfig:
     cache_salt_header_only: bool = False  # refuse a body cache_salt: only a gateway's X-Cache-Salt counts
     graceful_shutdown_seconds: float = 10.0
     log_level: str = "info"
+    stats_interval: float = 10.0  # seconds between stats lines in the log (radixkv.server.ops); 0: none
+    access_log: str | None = None  # a file taking one JSON line per request ("-": stderr); None: none
     # CORS (browsers): origins whose pages may call the server ("*": any); none: no CORS
     # headers at all. Methods and headers a preflight may ask for ("*": any).
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
+    # Trace capture (radixkv.cache.capture): one JSONL line per finished request for radixkv sim;
+    # past record_trace_max_bytes the file is rotated to FILE.1 (one old file kept).
+    record_trace: str | None = None
+    record_trace_max_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_fanout"):
             check_int(name, getattr(self, name), 1)
+        if self.record_trace_max_bytes is not None:
+            check_int("record_trace_max_bytes", self.record_trace_max_bytes, 1)
+        if not self.stats_interval >= 0:
+            raise ValueError(f"stats_interval must be >= 0 (0: no stats line), got {self.stats_interval!r}")
         if not self.graceful_shutdown_seconds >= 0:
             raise ValueError(f"graceful_shutdown_seconds must be >= 0, got {self.graceful_shutdown_seconds!r}")
         origin = lambda v: v.lower().removesuffix("/")  # noqa: E731  (browsers send it lower-case, no slash)
@@ -249,7 +261,11 @@ class Server:
         self.engine = engine
         self.config = config or ServerConfig()
         self.model_name = self.config.served_model_name or engine.config.model
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics(engine, self.model_name)
+        self.access_log = ops.AccessLog(self.config.access_log) if self.config.access_log else None
+        if self.config.record_trace is not None:  # namespaces hashed under the metrics' key: trace ids = labels
+            engine.trace_writer = TraceWriter(self.config.record_trace, self.config.record_trace_max_bytes,
+                                              self.metrics.namespace_key)  # fmt: skip
         self.tool_format = tool_format(engine.tokenizer.chat_template)  # hermes or generic (tools.py)
         self.created = int(time.time())
         self.draining = False  # set on SIGINT/SIGTERM: new requests get 503
@@ -285,6 +301,10 @@ class Server:
         path, method = scope["path"], scope["method"]
         route = self._route(path)
         endpoint = route or "other"
+        record = self._record(http, method, path) if self.access_log is not None else None
+        session = http.headers.get(SESSION_HEADER)
+        if session is not None:  # this request's task only: Engine._submit reads it for the trace
+            SESSION.set(session[:MAX_SESSION_CHARS])
         try:
             if self.config.allowed_origins and "origin" in http.headers and self._cors(http):
                 return await self._preflight(http)  # before auth: browsers send no credentials on it
@@ -299,16 +319,54 @@ class Server:
                 raise P.ApiError(503, "the server is shutting down", type="unavailable")
             await handler(http)
         except ClientGone:
-            pass
+            self.metrics.aborted.labels(endpoint).inc()  # its engine requests were aborted
+            if record is not None:
+                record["error"], record["status"] = "client disconnected", record["status"] or 499
         except P.ApiError as e:
             self.metrics.errors.labels(endpoint, str(e.status)).inc()
+            self._log_error(method, path, e, record)
             if not http.gone:
                 await http.error(e)
         except Exception as e:  # a bug: answer 500, keep serving
             logger.exception("%s %s failed", method, path)
             self.metrics.errors.labels(endpoint, "500").inc()
+            error = P.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error")
+            if record is not None:
+                record["error"] = error.message
             if not http.gone:
-                await http.error(P.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error"))
+                await http.error(error)
+        finally:
+            if record is not None:
+                self.access_log.write(ops.finish_record(record, record.get("error"), record.get("param")))
+
+    def _record(self, http: Http, method: str, path: str) -> dict:
+        """Start this request's access-log record (ops.CURRENT: Metrics.finished adds its
+        tokens) and note the status it is answered with."""
+        rid = http.headers.get("x-request-id")
+        record = ops.new_record(method, path, rid[:128] if rid else None)
+        ops.CURRENT.set(record)
+        send = http.send_raw
+
+        async def send_noting_status(msg):
+            if msg["type"] == "http.response.start":
+                record["status"] = msg["status"]
+            await send(msg)
+
+        http.send_raw = send_noting_status
+        return record
+
+    @staticmethod
+    def _log_error(method: str, path: str, e: P.ApiError, record: dict | None) -> None:
+        """A 4xx at INFO, a 5xx at WARNING, with the reason (message and param)."""
+        param = f" (param {e.param})" if e.param else ""
+        logger.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s -> %d: %s%s", method, path, e.status,
+                   e.message, param)  # fmt: skip
+        if record is not None:
+            record["error"], record["param"] = e.message, e.param
+
+    def close_access_log(self) -> None:
+        if self.access_log is not None:
+            self.access_log.close()
 
     def _route(self, path: str) -> str | None:
         """The route ``path`` belongs to (``/v1/models/{model}`` for ``/v1/models/x``), or None."""
@@ -385,6 +443,8 @@ class Server:
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 await asyncio.to_thread(self.engine.close)  # what still runs finishes with "abort"
+                if self.engine.trace_writer is not None:
+                    await asyncio.to_thread(self.engine.trace_writer.close)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

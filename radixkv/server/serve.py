@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import logging
 import signal
+import time
 
 from radixkv.cache.formats import FORMATS
 from radixkv.cache.tiers import WRITE_POLICIES
@@ -61,6 +62,15 @@ HELP = {
                        "default none: no CORS headers",
     "allowed_methods": "CORS: methods a preflight may ask for ('*': those the server serves)",
     "allowed_headers": "CORS: request headers a preflight may ask for ('*': any, Authorization included)",
+    "stats_interval": "seconds between the stats lines in the log (throughput, running/waiting, hit rate, pool "
+                      "usage); 0: none",
+    "access_log": "FILE (appended) or '-' (stderr): one JSON line per request (time, method, path, status, "
+                  "latency, tokens, request id; never the API key or a cache salt); default none",
+    "record_trace": "write every finished request as a JSONL line that `radixkv sim` replays (prompt and output "
+                    "ids, arrival, priority, cached tokens, the X-Session-Id header as session, the cache salt as "
+                    "an opaque id, never the salt); default off",
+    "record_trace_max_bytes": "with --record-trace: before the file would pass this size it is renamed FILE.1 "
+                              "(replacing an older FILE.1) and a new FILE begins; default unbounded",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
            "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES}  # fmt: skip
@@ -87,7 +97,32 @@ def _typed(kind: str, name: str):
     return parse
 
 
+class _Given(argparse.Action):
+    """Stores a flag's value and notes that the user typed it (``args._given``): a typed
+    flag wins over $RADIXKV_* and the config file, a default does not."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        _mark(namespace, self.dest)
+
+
+class _GivenBool(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        _mark(namespace, self.dest)
+
+
+def _mark(namespace: argparse.Namespace, dest: str) -> None:
+    given = set(getattr(namespace, "_given", ()))
+    given.add(dest)
+    namespace._given = given
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="settings from a TOML file (YAML with PyYAML installed), keys named as these flags "
+                             "(kv_cache_tokens = 16384); precedence: flags > RADIXKV_* environment variables "
+                             "(RADIXKV_PORT, RADIXKV_API_KEY, ...) > this file > defaults; default $RADIXKV_CONFIG")  # fmt: skip
     for group_name, cls in (("engine", EngineConfig), ("server", ServerConfig)):
         group = parser.add_argument_group(f"{group_name} ({cls.__name__})")
         for f in dataclasses.fields(cls):
@@ -95,20 +130,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default = f.default
             help_text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {default})"
             if f.type == "bool":
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+                group.add_argument(flag, action=_GivenBool, default=default, help=help_text)
             elif f.type == "tuple[str, ...]":
                 if "default" not in HELP[f.name]:
                     help_text = f"{HELP[f.name]} (default: {' '.join(default)})"
-                group.add_argument(flag, nargs="+", default=default, metavar=f.name.upper().removesuffix("S"),
-                                   help=help_text)  # fmt: skip
+                group.add_argument(flag, nargs="+", action=_Given, default=default,
+                                   metavar=f.name.upper().removesuffix("S"), help=help_text)  # fmt: skip
             else:
-                group.add_argument(flag, type=_typed(f.type, f.name), default=default, choices=CHOICES.get(f.name),
-                                   metavar=f.name.upper(), help=help_text)  # fmt: skip
+                group.add_argument(flag, action=_Given, type=_typed(f.type, f.name), default=default,
+                                   choices=CHOICES.get(f.name), metavar=f.name.upper(), help=help_text)  # fmt: skip
 
 
-def configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    """Both configs from parsed flags; raises ValueError on a bad combination."""
-    pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
+def configs(args: argparse.Namespace, environ=None) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs from parsed flags over $RADIXKV_* variables over ``--config FILE``
+    over the defaults (radixkv.server.ops.layered); raises ValueError on a bad value or
+    combination, or an unknown key in the file."""
+    from radixkv.server.ops import layered
+
+    given = {name: getattr(args, name) for name in getattr(args, "_given", ())}
+    values, source = layered((EngineConfig, ServerConfig), given, getattr(args, "config", None), environ)
+    for name, value in values.items():
+        if name in ZERO_IS_NONE and value == 0:
+            values[name] = None
+        if source.get(name) in ("env", "file") and name in CHOICES and value not in CHOICES[name]:
+            where = f"${'RADIXKV_' + name.upper()}" if source[name] == "env" else "the config file"
+            raise ValueError(f"{name} (from {where}) must be one of {', '.join(CHOICES[name])}, got {value!r}")
+    pick = lambda cls: {f.name: values[f.name] for f in dataclasses.fields(cls)}  # noqa: E731
     return EngineConfig(**pick(EngineConfig)), ServerConfig(**pick(ServerConfig))
 
 
@@ -117,12 +164,24 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     import uvicorn
 
     from radixkv.engine.engine import Engine
+    from radixkv.server import ops
     from radixkv.server.app import Server
 
     logging.basicConfig(level=server_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("radixkv.server")
+    plan = ops.preflight(engine_config, server_config)  # one-line ValueErrors, before the weights load
+    for warning in plan.warnings:
+        log.warning("%s", warning)
     settings = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    started = time.perf_counter()
     engine = Engine(engine_config.model, **settings)
+    loaded = time.perf_counter() - started
     app = Server(engine, server_config)
+    for line in ops.summary(engine, plan, app.model_name, server_config.host, server_config.port, loaded):
+        log.info("%s", line)
+    stats = None
+    if server_config.stats_interval:
+        stats = ops.StatsLine(engine, app.metrics, server_config.stats_interval).start()
     try:
         import uvloop  # noqa: F401
 
@@ -136,9 +195,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         # client; uvicorn's own deadline (it cancels handlers) comes after that
         timeout_graceful_shutdown=server_config.graceful_shutdown_seconds + ANSWER_SECONDS,
     )  # fmt: skip
-    logging.getLogger("radixkv.server").info(
-        "serving %s on http://%s:%d (%s loop)", app.model_name, server_config.host, server_config.port, loop
-    )
+    log.info("event loop: %s", loop)
     # On SIGINT/SIGTERM uvicorn stops accepting and waits for the in-flight requests;
     # the app (begin_shutdown) refuses new ones and aborts the rest after
     # graceful_shutdown_seconds, so each gets a well-formed answer; the lifespan shutdown
@@ -153,7 +210,10 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         _Server(config).run()
     finally:
+        if stats is not None:
+            stats.stop()
         engine.close()
+        app.close_access_log()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
