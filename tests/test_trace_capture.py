@@ -118,6 +118,13 @@ def test_rotation_keeps_one_old_file_and_continues_the_clock(tmp_path):
     assert traces.load_jsonl(old) and traces.load_jsonl(new)
 
 
+def test_a_restart_keeps_the_previous_trace_as_dot_1(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"tokens": [1]}\n')
+    TraceWriter(path).close()
+    assert path.with_name("t.jsonl.1").read_text() == '{"tokens": [1]}\n' and path.read_text() == ""
+
+
 def test_the_writer_refuses_a_bad_bound(tmp_path):
     with pytest.raises(ValueError, match="record_trace_max_bytes"):
         TraceWriter(tmp_path / "t.jsonl", max_bytes=0)

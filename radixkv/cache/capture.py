@@ -26,7 +26,8 @@ Writing costs the caller one queue put: a writer thread serializes and writes in
 buffered batches and flushes whenever it has caught up. With ``max_bytes`` the file is
 rotated before a line would take it past the bound: ``FILE`` becomes ``FILE.1`` (an
 older ``FILE.1`` is dropped), so at most about ``2 * max_bytes`` stay on disk; arrivals
-continue across the rotation (``cat FILE.1 FILE`` is one trace).
+continue across the rotation (``cat FILE.1 FILE`` is one trace). A writer that starts on
+a non-empty FILE (a restart) moves it to ``FILE.1`` first.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class TraceWriter:
         self.rotations = 0
         self.cpu_seconds = 0.0  # the writer thread's CPU time (encoding, writing): what recording costs
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and self.path.stat().st_size:  # a previous run's trace: kept as FILE.1
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
         self._file = open(self.path, "w", encoding="utf-8", buffering=1 << 16)
         self._size = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
