@@ -95,7 +95,7 @@ def json_layout(schema):
     return schema
 
 
-def check_regex(pattern: object) -> None:
+def check_regex(pattern: object, validate: bool = True) -> None:
     """The checks of a regex that need no tokenizer (type, length, repetition counts,
     syntax), in well under a millisecond; FieldError naming ``regex``."""
     if not isinstance(pattern, str) or not pattern:
@@ -105,15 +105,16 @@ def check_regex(pattern: object) -> None:
     largest = _largest_repeat(pattern)
     if largest > MAX_REPEAT:
         raise FieldError("regex", f"regex repeats at most {MAX_REPEAT} times ({{m,n}}), got {largest}")
-    _validate(GrammarSpec("regex", pattern))
+    if validate:
+        _validate(GrammarSpec("regex", pattern))
 
 
-def check_grammar(kind: str, value: object) -> GrammarSpec:
+def check_grammar(kind: str, value: object, validate: bool = True) -> GrammarSpec:
     """The spec of a ``kind`` constraint from a request's value, checked without a
     tokenizer (type, size, syntax); FieldError naming ``kind``. ``json_schema`` takes
     JSON text or an already-parsed dict / bool; ``choices`` a list of strings."""
     if kind == "regex":
-        check_regex(value)
+        check_regex(value, validate)
         return GrammarSpec("regex", value)
     if kind == "json_schema":
         if isinstance(value, (dict, bool)):
@@ -144,7 +145,8 @@ def check_grammar(kind: str, value: object) -> GrammarSpec:
         spec = GrammarSpec(kind, tuple(value))
     else:
         raise FieldError("grammar", f"a grammar kind is one of {', '.join(KINDS)}, got {kind!r}")
-    _validate(spec)
+    if validate:
+        _validate(spec)
     return spec
 
 
@@ -245,16 +247,22 @@ class Grammar:
         import llguidance
 
         if isinstance(spec, str):
-            spec = check_grammar("regex", spec)
+            spec = GrammarSpec("regex", spec)
         with self._lock:
             started = self._cache.get(spec)
             if started is not None:
                 self._cache.move_to_end(spec)
                 self.hits += 1
                 return Constraint(started.deep_copy(), self.vocab_size, spec.kind)
-        spec = check_grammar(spec.kind, spec.source)
+        # the cheap checks only: building the matcher validates the grammar (again, when
+        # SamplingParams already did; a large schema's validation takes tens of ms)
+        spec = check_grammar(spec.kind, spec.source, validate=False)
         ll = self._ll_tokenizer()
-        matcher = llguidance.LLMatcher(ll, spec.llguidance(), limits=llguidance.LLParserLimits(**LIMITS), log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(ll, spec.llguidance(), limits=llguidance.LLParserLimits(**LIMITS),
+                                           log_level=0)  # fmt: skip
+        except (ValueError, RuntimeError) as e:  # a converter's own error (GBNF, JSON)
+            raise FieldError(spec.kind, f"{spec.kind} {_short(spec.source)} does not compile: {e}") from None
         constraint = Constraint(matcher, self.vocab_size, spec.kind)
         constraint.allowed()  # builds the lexer's start: the costly part of a large grammar
         if constraint.error is not None:

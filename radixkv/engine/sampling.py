@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from radixkv.cache.compress import check_policy
+from radixkv.engine.constrain import KINDS as GRAMMAR_KINDS, GrammarSpec, check_grammar
 from radixkv.errors import FieldError
 from radixkv.validate import check_bool, check_float, check_int, is_int, token_list
 
@@ -142,12 +143,10 @@ class SamplingParams:
             check_int("prompt_logprobs_from", self.prompt_logprobs_from, 0)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_policy(self.kv_policy, self.kv_budget, self.kv_compress_at, self.kv_rerotate)
-        grammars = [k for k in ("regex", "json_schema", "ebnf", "choices") if getattr(self, k) is not None]
+        grammars = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(grammars) > 1:
             raise FieldError(grammars[1], f"one constraint per request: got {' and '.join(grammars)}")
         if grammars:
-            from radixkv.engine.constrain import check_grammar
-
             spec = check_grammar(grammars[0], getattr(self, grammars[0]))
             setf(self, grammars[0], spec.source)  # json_schema as JSON text, choices as a tuple
         setf(self, "logit_bias", self._normalise_logit_bias(self.logit_bias))
@@ -209,14 +208,10 @@ class SamplingParams:
         return tuple(sorted(out.items())) or None
 
     @property
-    def grammar(self):
+    def grammar(self) -> GrammarSpec | None:
         """The request's constraint as a ``GrammarSpec`` (constrain.py), or None."""
-        from radixkv.engine.constrain import GrammarSpec
-
-        for kind in ("regex", "json_schema", "ebnf", "choices"):
-            if getattr(self, kind) is not None:
-                return GrammarSpec(kind, getattr(self, kind))
-        return None
+        kind = next((k for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
+        return None if kind is None else GrammarSpec(kind, getattr(self, kind))
 
     @property
     def is_greedy(self) -> bool:

@@ -150,10 +150,11 @@ class Scheduler:
     def _preempt_one(self, req: Request, plan: list[ScheduledSeq]) -> bool:
         """Make room for ``req`` by preempting the other running request of the lowest
         priority, the most recently admitted among equals; False when there is none."""
-        others = [(o.params.priority, -i) for i, o in enumerate(self.running) if o is not req]
-        if not others:
+        # min keeps the first of equals: walking newest first, the most recently admitted
+        victim = min((o for o in reversed(self.running) if o is not req), key=lambda o: o.params.priority, default=None)
+        if victim is None:
             return False
-        self.preempt(self.running[-min(others)[1]], plan)
+        self.preempt(victim, plan)
         return True
 
     def preempt(self, req: Request, plan: list[ScheduledSeq]) -> None:
