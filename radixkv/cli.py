@@ -130,8 +130,8 @@ def _what_if(text: str) -> dict:
     convert = {"pool-bytes": lambda v: _sizes(v)[0], "page-size": _positive, "host-pages": _positive,
                "store-pages": _positive, "in-flight": _positive, "name": str,
                "pages": lambda v: None if v == "unlimited" else _positive(v),
-               "policy": lambda v: v if v == "belady" else _policies(v)[0] if "," not in v else _policies("?"),
-               "kv-dtype": lambda v: _kv_dtypes(v)[0] if "," not in v else _kv_dtypes("?"),
+               "policy": lambda v: v if v == "belady" else _policies(v)[0],  # one value: the spec was split on ","
+               "kv-dtype": lambda v: _kv_dtypes(v)[0],
                "chunk-size": lambda v: _positive(v) if v != "0" else 0}  # fmt: skip
     out: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):

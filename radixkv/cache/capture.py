@@ -56,11 +56,6 @@ def opaque_namespace(key: bytes, salt: str) -> str:
     return "ns-" + hmac.new(key, salt.encode(), "sha256").hexdigest()[:12]
 
 
-class _Flush:
-    def __init__(self):
-        self.done = threading.Event()
-
-
 class TraceWriter:
     """Append trace lines to ``path`` from any thread (``record``); see the module
     docstring. ``key``: the HMAC key for namespaces (default: fresh random bytes).
@@ -73,7 +68,6 @@ class TraceWriter:
         self.max_bytes = max_bytes
         self.key = key if key is not None else secrets.token_bytes(32)
         self.start = time.perf_counter()  # arrivals are perf_counter stamps minus this
-        self.lines = 0
         self.rotations = 0
         self.cpu_seconds = 0.0  # the writer thread's CPU time (encoding, writing): what recording costs
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,9 +79,6 @@ class TraceWriter:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="radixkv-trace", daemon=True)
         self._thread.start()
-
-    def namespace(self, salt: str | None) -> str | None:
-        return None if salt is None else opaque_namespace(self.key, salt)
 
     def record(self, tokens=None, output_tokens=(), *, salt: str | None = None, arrival: float | None = None,
                priority: int = 0, session: str | None = None, cached_tokens: int | None = None,
@@ -104,9 +95,9 @@ class TraceWriter:
         """Block until every line queued before the call is written and flushed."""
         if self._closed:
             return
-        marker = _Flush()
+        marker = threading.Event()  # set by the writer thread once it reaches it
         self._queue.put(marker)
-        marker.done.wait(timeout)
+        marker.wait(timeout)
 
     def close(self) -> None:
         if self._closed:
@@ -136,12 +127,11 @@ class TraceWriter:
         return json.dumps(obj, separators=(",", ":")) + "\n"
 
     def _write(self, line: str) -> None:
-        size = len(line.encode()) if not line.isascii() else len(line)
+        size = len(line)  # json.dumps escapes non-ASCII: characters are bytes
         if self.max_bytes is not None and self._size and self._size + size > self.max_bytes:
             self._rotate()
         self._file.write(line)
         self._size += size
-        self.lines += 1
 
     def _rotate(self) -> None:
         """FILE -> FILE.1 (replacing an older one); a fresh FILE."""
@@ -166,7 +156,7 @@ class TraceWriter:
             for item in batch:
                 if item is None:
                     stop = True
-                elif isinstance(item, _Flush):
+                elif isinstance(item, threading.Event):
                     flushes.append(item)
                 else:
                     try:
@@ -180,7 +170,7 @@ class TraceWriter:
                     pass
             self.cpu_seconds += time.thread_time() - started
             for f in flushes:
-                f.done.set()
+                f.set()
             if stop:
                 self._file.close()
                 return

@@ -9,7 +9,7 @@ A trace is a list of ``TraceRequest``. In JSONL, one request a line::
 The prompt is exactly one of ``tokens`` (ids), ``text`` (tokenized as the server
 tokenizes a /v1/completions prompt) or ``messages`` (chat messages rendered with the
 model's chat template and tokenized as /v1/chat/completions does); ``text`` and
-``messages`` need a ``PromptEncoder`` (``radixkv.model.prompt_encoder``; ``radixkv sim``
+``messages`` need a ``PromptEncoder`` (``radixkv.workloads.prompt_encoder``; ``radixkv sim``
 uses ``--model``'s). Optional fields:
 
 - ``output_tokens``: a count of generated tokens (fresh ids that later prompts cannot
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
+
+from radixkv.validate import is_int, is_number
 
 VOCAB = 50_000  # synthetic token ids are drawn from [0, VOCAB)
 
@@ -78,10 +80,6 @@ FIELDS = ("tokens", "text", "messages", "namespace", "output_tokens", "priority"
 PROMPT_FIELDS = ("tokens", "text", "messages")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def parse_request(obj, where: str = "request", encoder: PromptEncoder | None = None) -> TraceRequest:
     """Validate one decoded JSON object; ``text`` / ``messages`` prompts go through
     ``encoder``. Raises ValueError naming the line and field."""
@@ -113,21 +111,21 @@ def parse_request(obj, where: str = "request", encoder: PromptEncoder | None = N
     out = obj.get("output_tokens", 0)
     if isinstance(out, list):
         out = _int_list(out, where, "output_tokens")
-    elif not _is_int(out) or out < 0:
+    elif not is_int(out) or out < 0:
         raise ValueError(f"{where}: 'output_tokens' must be an int >= 0 or a list of token ids")
     priority = obj.get("priority", 0)
-    if not _is_int(priority):
+    if not is_int(priority):
         raise ValueError(f"{where}: 'priority' must be an int")
     arrival = obj.get("arrival")
     if arrival is not None:
-        if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival) or arrival < 0:
+        if not is_number(arrival) or not math.isfinite(arrival) or arrival < 0:
             raise ValueError(f"{where}: 'arrival' must be a number of seconds >= 0")
         arrival = float(arrival)
     session = obj.get("session")
     if session is not None and not isinstance(session, str):
         raise ValueError(f"{where}: 'session' must be a string or null")
     cached = obj.get("cached_tokens")
-    if cached is not None and (not _is_int(cached) or cached < 0):
+    if cached is not None and (not is_int(cached) or cached < 0):
         raise ValueError(f"{where}: 'cached_tokens' must be an int >= 0")
     return TraceRequest(tokens, namespace, out, priority, arrival, session, cached)
 
@@ -178,12 +176,9 @@ def dump_jsonl(requests: list[TraceRequest], path: str | Path) -> None:
                 obj["output_tokens"] = r.output_tokens if isinstance(r.output_tokens, int) else r.output_tokens.tolist()
             if r.priority:
                 obj["priority"] = r.priority
-            if r.arrival is not None:
-                obj["arrival"] = r.arrival
-            if r.session is not None:
-                obj["session"] = r.session
-            if r.cached_tokens is not None:
-                obj["cached_tokens"] = r.cached_tokens
+            for key in ("arrival", "session", "cached_tokens"):
+                if getattr(r, key) is not None:
+                    obj[key] = getattr(r, key)
             f.write(json.dumps(obj) + "\n")
 
 
