@@ -101,7 +101,8 @@ GEN_PARAMS = {  # gen() keyword -> SamplingParams field
 
 # ``fn.run(...)`` / ``run_batch(...)`` keywords that set a default for every gen of the
 # program (SamplingParams names, as SGLang's run); constraints stay per gen.
-RUN_DEFAULTS = tuple(f for f in GEN_PARAMS.values() if f not in ("regex", "json_schema"))
+CONSTRAINTS = ("regex", "json_schema", "ebnf")  # per gen only, never a run's default
+RUN_DEFAULTS = tuple(f for f in GEN_PARAMS.values() if f not in CONSTRAINTS)
 
 
 def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequence[str] | None = None,
@@ -137,7 +138,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, stop: str | Sequ
     params = {ours: given[kw] for kw, ours in GEN_PARAMS.items() if given[kw] is not None}
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
-    constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None]
+    constraints = [k for k in CONSTRAINTS if given[k] is not None]
     if len(constraints) > 1:
         raise ProgramError(f"gen({name!r}): {' and '.join(constraints)} are {len(constraints)} constraints; give one")
     if json_schema is not None:

@@ -650,3 +650,5 @@ def test_ebnf_and_min_tokens_in_gen(backend, endpoint):
     assert state.calls[-1].completion_tokens >= 12
     with pytest.raises(ProgramError, match="regex and ebnf are 2 constraints"):
         gen("x", regex="a", ebnf='root ::= "a"')
+    with pytest.raises(ProgramError, match="unexpected keyword argument 'ebnf'"):  # per gen, never a run default
+        yes_no.run(backend=backend, ebnf='root ::= "a"')
