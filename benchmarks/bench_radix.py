@@ -45,11 +45,11 @@ from radixkv.kernels import pages as page_loops  # noqa: E402
 OPS = ("match", "insert", "evict", "lock")
 
 
-def replay_timed(prompts, capacity_pages: int, page_size: int) -> dict:
+def replay_timed(prompts, capacity_pages: int, page_size: int, policy: str = "lru") -> dict:
     """One request at a time; each tree call timed on its own (perf_counter_ns).
     ``lock`` is a request's lock plus its unlock."""
     allocator = PageAllocator(capacity_pages)
-    tree = RadixCache(allocator, page_size)
+    tree = RadixCache(allocator, page_size, policy)
     times = {op: [] for op in OPS}
     clock = time.perf_counter_ns
     rejected = 0
@@ -215,6 +215,9 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.4, help="capacity as a fraction of unique pages")
     ap.add_argument("--repeat", type=int, default=3, help="timed replays per system; the best mean counts")
     ap.add_argument("--lifecycle-only", action="store_true", help="only the whole per-request lifecycle section")
+    ap.add_argument("--policies", default="lru,cost",
+                    help="radixkv eviction policies to time (comma-separated; lru is the row named radixkv)")
+    ap.add_argument("--workloads", default="multi_turn,few_shot,branching,mixed")
     args = ap.parse_args()
     if args.json is None:
         args.json = f"benchmarks/out/bench_radix{'_lifecycle' if args.lifecycle_only else ''}.json"
@@ -222,14 +225,16 @@ def main() -> None:
     peer_missing = sglang_tree.available()
     rust_missing = sglang_rust_tree.available()
     rows = []
-    for workload in ("multi_turn", "few_shot", "branching", "mixed") if not args.lifecycle_only else ():
+    policies = args.policies.split(",")
+    for workload in args.workloads.split(",") if not args.lifecycle_only else ():
         trace = traces.synthetic(workload)
         prompts = [r.tokens for r in trace]
         for page_size in (1, 16):
             unlimited = sim.replay(trace, None, page_size)
             capacity = max(1, int(args.fraction * unlimited.cached_pages))
             belady = sim.replay(trace, capacity, page_size, "belady")
-            systems = {"radixkv": lambda: replay_timed(prompts, capacity, page_size)}
+            systems = {("radixkv" if p == "lru" else f"rkv-{p}"): (lambda p=p: replay_timed(prompts, capacity, page_size, p))
+                       for p in policies}  # fmt: skip
             if peer_missing is None:
                 as_lists = [p.tolist() for p in prompts]
                 systems["sglang"] = lambda: sglang_tree.replay(as_lists, capacity, page_size)
@@ -258,12 +263,12 @@ def main() -> None:
                      sglang_rust=rust_missing or "measured")  # fmt: skip
         return
 
-    head = f"{'workload':<11}{'P':>3} {'system':<8}{'hit %':>7}{'/belady':>8}{'belady':>8}{'unlim':>7}"
+    head = f"{'workload':<11}{'P':>3} {'system':<9}{'hit %':>7}{'/belady':>8}{'belady':>8}{'unlim':>7}"
     head += "".join(f"{op + ' us/req | p99':>22}" for op in OPS)
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = f"{r['workload']:<11}{r['page_size']:>3} {r['system']:<8}{100 * r['hit_rate']:>7.2f}"
+        line = f"{r['workload']:<11}{r['page_size']:>3} {r['system']:<9}{100 * r['hit_rate']:>7.2f}"
         line += f"{100 * r['hit_rate'] / r['belady_hit_rate']:>7.1f}%"
         line += f"{100 * r['belady_hit_rate']:>8.2f}{100 * r['unlimited_hit_rate']:>7.2f}"
         for op in OPS:

@@ -76,15 +76,17 @@ class Node:
 
     ``key``: the edge's tokens (int32 bytes); ``pages``: its page ids, one per
     ``page_size`` tokens; ``lock_ref``: how many locks pin this node (a lock pins its
-    whole path to the root). The statistics feed the eviction policies.
+    whole path to the root). The statistics feed the eviction policies, with ``depth``
+    (tokens above the edge) and ``generated`` (the edge is mostly generated text).
     """
 
     __slots__ = (
         "key", "pages", "children", "parent", "lock_ref",
-        "last_access", "hits", "created", "priority", "in_heap", "alive", "namespace",
+        "last_access", "hits", "created", "priority", "in_heap", "alive", "namespace", "depth", "generated",
     )  # fmt: skip
 
-    def __init__(self, key: bytes, pages: PageIds, parent: Node | None, tick: int, namespace=None):
+    def __init__(self, key: bytes, pages: PageIds, parent: Node | None, tick: int, namespace=None, depth: int = 0,
+                 generated: bool = False):  # fmt: skip
         self.key = key
         self.pages = pages
         self.children: dict[bytes, Node] = {}
@@ -97,6 +99,8 @@ class Node:
         self.in_heap = False
         self.alive = True
         self.namespace = namespace
+        self.depth = depth  # tokens on the path above this edge
+        self.generated = generated  # most of the edge's tokens were generated, not prompt
 
     @property
     def num_tokens(self) -> int:
@@ -191,7 +195,10 @@ class RadixCache:
         self._held = np.zeros(allocator.num_pages, dtype=np.int32)  # page -> in the tree (nonzero)
         self._refs = allocator.refcounts()  # a read-only view, for _hold's ownership check
         self._loops = allocator.loops
-        self._heap: list[tuple] = []
+        # candidates: one lazy heap per policy class (most policies have one)
+        self._heaps: list[list[tuple]] = [[] for _ in range(self.policy.classes)]
+        self._entries = 0  # heap entries, stale ones included
+        self._observe = self.policy.observes
         self._seq = 0  # heap tie-breaker
         self._tick = 0  # logical clock for access statistics
         self._num_nodes = 0
@@ -281,6 +288,8 @@ class RadixCache:
             pos += len(node.key)
             break
         self._tick += 1
+        if self._observe and pos and record_stats:
+            self.policy.hit(node, self._tick - node.last_access)
         node.last_access = self._tick
         if record_stats:
             node.hits += 1
@@ -292,7 +301,8 @@ class RadixCache:
             pages = parts[0].copy() if parts else _EMPTY_PAGES
         return Match(pages, pos // _TOKEN, node)
 
-    def insert(self, tokens, pages, namespace=None, priority: int = 0, adopt: bool = False) -> Inserted:
+    def insert(self, tokens, pages, namespace=None, priority: int = 0, adopt: bool = False,
+               generated_from: int | None = None) -> Inserted:  # fmt: skip
         """Cache the whole pages of ``tokens``; return how many tokens were cached
         already and the node that ends them (see ``Inserted``).
 
@@ -307,6 +317,10 @@ class RadixCache:
             pages    | caller's duplicates | tree increfs (or adopts)    | private|
                        not checked           checked: owned, distinct,
                                              held by no node (any namespace)
+
+        ``generated_from``: where generated tokens begin in ``tokens`` (None: all
+        prompt); a new leaf that is mostly generated text is marked ``generated``, for
+        policies that learn how often such pages come back.
 
         Mutates: may split a node, adds at most one leaf (and the namespace's root
         if it held nothing), stamps the leaf's access time and raises its ``priority``
@@ -363,7 +377,9 @@ class RadixCache:
         if new_pages is not None:
             if node is None:  # the namespace held nothing: store a root for it
                 node = self._roots[namespace] = Node(b"", _EMPTY_PAGES, None, self._tick, namespace)
-            leaf = Node(key[start:end], new_pages, node, self._tick, namespace)
+            first = start // _TOKEN
+            generated = generated_from is not None and 2 * generated_from <= first + end // _TOKEN
+            leaf = Node(key[start:end], new_pages, node, self._tick, namespace, first, generated)
             node.children[key[start : start + width]] = leaf
             self._num_nodes += 1
             self.inserted_pages += len(new_pages)
@@ -458,6 +474,8 @@ class RadixCache:
                     break
                 leaf, drop = picked
                 keep = len(leaf.pages) - drop
+                if self._observe:
+                    self.policy.evicted(leaf, self._tick - leaf.last_access, drop)
                 if self.on_evict is not None:
                     self.on_evict(leaf, keep)
                 dropped.append(leaf.pages[keep:])
@@ -505,23 +523,54 @@ class RadixCache:
 
     def _next_victim(self, need: int) -> tuple[Node, int] | None:
         """The leaf to shrink next and how many tail pages to take from it."""
-        if not self.policy.lazy:
+        policy = self.policy
+        if not policy.lazy:
             leaves = [n for n in self.nodes() if not n.children and not n.lock_ref]
-            return self.policy.choose(leaves, need) if leaves else None
-        heap = self._heap
-        key_of = self.policy.key
+            return policy.choose(leaves, need) if leaves else None
+        heaps = self._heaps
+        if len(heaps) == 1:
+            node = self._top(0)
+            if node is None:
+                return None
+            c = 0
+        else:
+            # Each class's heap orders its leaves; the policy compares the heads.
+            best = None
+            for c, heap in enumerate(heaps):
+                node = self._top(c)
+                if node is not None:
+                    rank = policy.rank(c, node, self._tick)
+                    if best is None or rank < best[0]:
+                        best = (rank, c)
+            if best is None:
+                return None
+            c = best[1]
+        node = heapq.heappop(heaps[c])[2]
+        node.in_heap = False
+        self._entries -= 1
+        return node, min(need, len(node.pages))
+
+    def _top(self, c: int) -> Node | None:
+        """The valid head of class ``c``'s heap (None when it has none): stale entries
+        (gone, grown children, locked) drop out, touched or reclassified ones are
+        re-ranked into their heap."""
+        heap = self._heaps[c]
+        key_of, klass = self.policy.key, self.policy.klass
+        multi = len(self._heaps) > 1
         while heap:
-            stored, _, node = heapq.heappop(heap)
+            stored, _, node = heap[0]
             if not node.alive or node.children or node.lock_ref:
+                heapq.heappop(heap)
                 node.in_heap = False
+                self._entries -= 1
                 continue
-            key = key_of(node)
-            if key != stored:  # touched since it was pushed: re-rank
+            key, k = key_of(node), (klass(node) if multi else 0)
+            if key != stored or k != c:  # touched since it was pushed: re-rank
+                heapq.heappop(heap)
                 self._seq += 1
-                heapq.heappush(heap, (key, self._seq, node))
+                heapq.heappush(self._heaps[k], (key, self._seq, node))
                 continue
-            node.in_heap = False
-            return node, min(need, len(node.pages))
+            return node
         return None
 
     # -- internals -------------------------------------------------------------
@@ -531,22 +580,26 @@ class RadixCache:
             return
         node.in_heap = True
         self._seq += 1
-        heapq.heappush(self._heap, (self.policy.key(node), self._seq, node))
-        if len(self._heap) > 2 * self._num_nodes + 64:
+        heapq.heappush(self._heaps[self.policy.klass(node)], (self.policy.key(node), self._seq, node))
+        self._entries += 1
+        if self._entries > 2 * self._num_nodes + 64:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
         """Drop stale entries: keep one entry per evictable leaf."""
-        for _, _, node in self._heap:
-            node.in_heap = False
-        heap = []
+        for heap in self._heaps:
+            for _, _, node in heap:
+                node.in_heap = False
+        heaps: list[list[tuple]] = [[] for _ in self._heaps]
         for node in self.nodes():
             if not node.children and not node.lock_ref:
                 node.in_heap = True
                 self._seq += 1
-                heap.append((self.policy.key(node), self._seq, node))
-        heapq.heapify(heap)
-        self._heap = heap
+                heaps[self.policy.klass(node)].append((self.policy.key(node), self._seq, node))
+        for heap in heaps:
+            heapq.heapify(heap)
+        self._heaps = heaps
+        self._entries = sum(map(len, heaps))
 
     def _common_pages(self, key: bytes, pos: int, end: int, edge: bytes) -> int:
         """Whole pages that ``key[pos:end]`` shares with the start of ``edge`` (>= 1,
@@ -571,7 +624,9 @@ class RadixCache:
             return child
         cut = num_pages * self._width
         parent = child.parent
-        upper = Node(child.key[:cut], child.pages[:num_pages], parent, child.created, child.namespace)
+        upper = Node(child.key[:cut], child.pages[:num_pages], parent, child.created, child.namespace, child.depth,
+                     child.generated)  # fmt: skip
+        child.depth += num_pages * self.page_size
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hits = child.hits
@@ -594,6 +649,8 @@ class RadixCache:
         child.pages = np.concatenate((node.pages, child.pages))
         child.parent = parent
         parent.children[node.key[: self._width]] = child
+        child.depth = node.depth
+        child.generated = node.generated and child.generated
         if node.last_access > child.last_access:
             child.last_access = node.last_access
         child.hits += node.hits
