@@ -76,8 +76,9 @@ def test_chunked_prefill_gives_the_same_tokens(reference, chunk):
         e.check_integrity()
 
 
-def test_preemption_under_a_tiny_pool_gives_the_same_tokens(reference):
-    with make(kv_cache_tokens=288, page_size=16, debug=True) as e:
+@pytest.mark.parametrize("policy", ["lru", "cost"])
+def test_preemption_under_a_tiny_pool_gives_the_same_tokens(reference, policy):
+    with make(kv_cache_tokens=288, page_size=16, debug=True, policy=policy) as e:
         outs = e.generate(chats(e), GREEDY)
         assert [o.token_ids for o in outs] == reference
         assert e.stats()["preemptions"] > 0
