@@ -153,7 +153,7 @@ def _what_if(text: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radixkv.cache.traces import WORKLOADS
+    from radixkv.cache.traces import TRACE_FORMATS, WORKLOADS
 
     d = SimConfig()
     parser = argparse.ArgumentParser(prog="radixkv", description="radixkv: radix-tree prefix-cache LLM runtime")
@@ -190,10 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("trace", nargs="?",
                      help="JSONL trace, one request a line: {\"tokens\": [...]} or {\"text\": ...} or "
                           "{\"messages\": [...]}, optionally namespace, output_tokens, priority, arrival, session, "
-                          "cached_tokens (radixkv.cache.traces)")  # fmt: skip
+                          "cached_tokens (radixkv.cache.traces); or a Mooncake trace (--trace-format)")  # fmt: skip
     src.add_argument("--workload", choices=sorted({*WORKLOADS, *PROGRAM_WORKLOADS}),
                      help="a built-in workload instead: synthetic token streams, or rag / agent (the programs "
                           "`radixkv bench` runs, with the model's tokenizer and chat template)")  # fmt: skip
+    sim.add_argument("--trace-format", choices=TRACE_FORMATS, default="auto",
+                     help="radixkv: the JSONL above; mooncake: Mooncake's {timestamp, input_length, output_length, "
+                          "hash_ids} lines (each hash id a run of 512 synthetic token ids); auto (default): "
+                          "mooncake when the first line has hash_ids")  # fmt: skip
     sim.add_argument("--seed", type=int, default=0, help="seed of the built-in workload (default 0)")
     sim.add_argument("--page-size", type=_positive, default=d.page_size, help=f"tokens per page (default {d.page_size})")
     cap = sim.add_mutually_exclusive_group()
@@ -286,7 +290,7 @@ def cmd_sim(args) -> int:
     if args.trace:
         from radixkv.workloads.prompt_encoder import ModelPromptEncoder
 
-        trace = traces.load_jsonl(args.trace, ModelPromptEncoder(args.model))  # text / messages lines: --model's
+        trace = traces.load_trace(args.trace, args.trace_format, ModelPromptEncoder(args.model))  # text: --model's
         title = Path(args.trace).name
     elif args.workload in PROGRAM_WORKLOADS:
         from radixkv import workloads

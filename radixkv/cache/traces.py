@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -166,6 +167,122 @@ def load_jsonl(path: str | Path, encoder: PromptEncoder | None = None) -> list[T
     return [r for _, r in requests]
 
 
+# -- Mooncake traces ---------------------------------------------------------------
+
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+MOONCAKE_BLOCK_TOKENS = 512  # the block size of Mooncake's released traces
+_INT32_LIMIT = 2**31
+
+
+def parse_mooncake(obj, where: str = "request", block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                   outputs: bool = True) -> TraceRequest:  # fmt: skip
+    """One Mooncake line as a request (``load_mooncake``). Raises ValueError naming
+    ``where`` and the field."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - set(MOONCAKE_FIELDS)
+    missing = [f for f in MOONCAKE_FIELDS if f not in obj]
+    if unknown or missing:
+        detail = f"unknown field(s) {sorted(unknown)}" if unknown else f"missing field(s) {missing}"
+        raise ValueError(f"{where}: {detail}; a Mooncake request has exactly {', '.join(MOONCAKE_FIELDS)}")
+    stamp = obj["timestamp"]
+    if not is_number(stamp) or not math.isfinite(stamp) or stamp < 0:
+        raise ValueError(f"{where}: 'timestamp' must be a number of milliseconds >= 0")
+    length = obj["input_length"]
+    if not is_int(length) or length < 1:
+        raise ValueError(f"{where}: 'input_length' must be an int >= 1")
+    out = obj["output_length"]
+    if not is_int(out) or out < 0:
+        raise ValueError(f"{where}: 'output_length' must be an int >= 0")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or not ids or not all(is_int(h) and h >= 0 for h in ids):
+        raise ValueError(f"{where}: 'hash_ids' must be a non-empty list of block ids (ints >= 0)")
+    if length > len(ids) * block_tokens:
+        raise ValueError(f"{where}: 'input_length' {length} exceeds its {len(ids)} hash_ids of {block_tokens} "
+                         f"tokens ({len(ids) * block_tokens})")  # fmt: skip
+    blocks = ids[: -(-length // block_tokens)]  # a longer list's unused tail is cut with the prompt
+    if (max(blocks) + 1) * block_tokens > _INT32_LIMIT:
+        raise ValueError(f"{where}: block id {max(blocks)} times {block_tokens} tokens per block overflows the "
+                         f"int32 token ids; use a smaller block_tokens")  # fmt: skip
+    starts = np.asarray(blocks, dtype=np.int64) * block_tokens
+    tokens = (starts[:, None] + np.arange(block_tokens, dtype=np.int64)).ravel()[:length].astype(np.int32)
+    return TraceRequest(array("i", tokens.tobytes()), output_tokens=out if outputs else 0, arrival=stamp / 1000)
+
+
+def load_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS, outputs: bool = True,
+                  limit: int | None = None) -> list[TraceRequest]:  # fmt: skip
+    """Read a Mooncake trace (kvcache-ai/Mooncake, FAST'25), one request a line::
+
+        {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, 49]}
+
+    Each hash id stands for one block of ``block_tokens`` prompt tokens (equal ids are
+    equal blocks, and an id encodes its whole prefix); here block ``h`` becomes the
+    token ids ``h * block_tokens .. h * block_tokens + block_tokens - 1`` (distinct per
+    id), and the prompt is cut to ``input_length`` (the last block may be partial):
+
+        hash_ids     [  7        |  9        |  4   ...  ]
+        tokens       [7B .. 8B-1 | 9B .. 10B-1| 4B .. 4B+r-1]   B = block_tokens,
+                                                  r = input_length - 2B
+
+    ``output_tokens`` is ``output_length`` (a count: fresh ids that no prompt repeats;
+    the next turn's own hash ids stand for what a conversation reuses of it) with
+    ``outputs``, else 0; ``arrival`` is ``timestamp`` / 1000 (seconds). ``limit``: read
+    at most that many requests. Raises ValueError naming the file, line and field of a
+    bad line (``input_length`` above its blocks' tokens included), or when block ids
+    times ``block_tokens`` overflow int32 token ids.
+    """
+    if not is_int(block_tokens) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+    if limit is not None and (not is_int(limit) or limit < 1):
+        raise ValueError(f"limit must be an int >= 1 or None, got {limit!r}")
+    requests = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            requests.append(parse_mooncake(obj, where, block_tokens, outputs))
+    if not requests:
+        raise ValueError(f"{path}: the trace has no requests")
+    return requests
+
+
+TRACE_FORMATS = ("auto", "radixkv", "mooncake")
+
+
+def trace_format(path: str | Path) -> str:
+    """``"mooncake"`` when the first non-empty line of ``path`` is a JSON object with
+    ``hash_ids``, else ``"radixkv"`` (whose loader then reports what is wrong). Reads
+    one line; raises OSError for a file that cannot be read."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    return "radixkv"
+                return "mooncake" if isinstance(obj, dict) and "hash_ids" in obj else "radixkv"
+    return "radixkv"
+
+
+def load_trace(path: str | Path, fmt: str = "auto", encoder: PromptEncoder | None = None,
+               **mooncake) -> list[TraceRequest]:  # fmt: skip
+    """Read a trace file of format ``fmt`` (``TRACE_FORMATS``; ``auto``: ``trace_format``):
+    ``load_jsonl`` with ``encoder``, or ``load_mooncake`` with ``mooncake``'s keywords.
+    Raises ValueError for an unknown format or a bad line."""
+    if fmt not in TRACE_FORMATS:
+        raise ValueError(f"trace format must be one of {', '.join(TRACE_FORMATS)}, got {fmt!r}")
+    if fmt == "auto":
+        fmt = trace_format(path)
+    return load_mooncake(path, **mooncake) if fmt == "mooncake" else load_jsonl(path, encoder)
+
+
 def dump_jsonl(requests: list[TraceRequest], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
@@ -193,9 +310,47 @@ def _requests(prompts: list[np.ndarray]) -> list[TraceRequest]:
     return [TraceRequest(array("i", p.tobytes())) for p in prompts]
 
 
-def multi_turn(conversations: int = 100, turns: int = 18, min_new: int = 50, max_new: int = 200, seed: int = 0):
+# The timed workloads' clock, a chat service: conversations start as a Poisson process
+# (CONVERSATION_RATE a second), a conversation's next turn arrives a think time after
+# its previous turn (lognormal: median THINK_MEDIAN_S, THINK_SIGMA the spread of its
+# log), and few-shot questions arrive as a Poisson process of their own (QUESTION_RATE
+# a second). The think time includes reading the previous answer (the traces have no
+# outputs), so it counts from the previous turn's arrival.
+CONVERSATION_RATE = 0.1
+THINK_MEDIAN_S = 30.0
+THINK_SIGMA = 0.8
+QUESTION_RATE = 0.2
+
+
+def _clock(seed: int) -> np.random.Generator:
+    """The arrival times' own stream: a timed workload has the same prompts as the
+    untimed one of its seed."""
+    return np.random.default_rng((seed, 0x7143))
+
+
+def _poisson(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
+    """``n`` arrival times (s) of a Poisson process of ``rate`` per second from 0."""
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0, got {rate!r}")
+    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
+def _in_arrival_order(requests: list[TraceRequest], arrival) -> list[TraceRequest]:
+    """``requests`` with their ``arrival`` set, sorted by it (ties in the given order)."""
+    order = sorted(range(len(requests)), key=lambda i: (arrival[i], i))
+    return [replace(requests[i], arrival=float(arrival[i])) for i in order]
+
+
+def multi_turn(conversations: int = 100, turns: int = 18, min_new: int = 50, max_new: int = 200, seed: int = 0,
+               arrivals: bool = False, conversation_rate: float = CONVERSATION_RATE,
+               think_median: float = THINK_MEDIAN_S, think_sigma: float = THINK_SIGMA):  # fmt: skip
     """Chats: each turn's prompt is the previous full prompt plus 50-200 new tokens.
-    Conversations interleave in a random (seeded) order, turns in order."""
+    Conversations interleave in a random (seeded) order, turns in order.
+
+    With ``arrivals``, the same prompts with arrival times, in arrival order: the
+    conversations start as a Poisson process of ``conversation_rate`` per second, and
+    each next turn arrives a think time after the previous one (lognormal, median
+    ``think_median`` s, ``think_sigma`` the standard deviation of its log)."""
     rng = np.random.default_rng(seed)
     history = [np.empty(0, dtype=np.int32) for _ in range(conversations)]
     order = np.repeat(np.arange(conversations), turns)
@@ -204,14 +359,30 @@ def multi_turn(conversations: int = 100, turns: int = 18, min_new: int = 50, max
     for c in order:
         history[c] = np.concatenate([history[c], _fresh(rng, int(rng.integers(min_new, max_new + 1)))])
         prompts.append(history[c])
-    return _requests(prompts)
+    if not arrivals:
+        return _requests(prompts)
+    if not (think_median > 0 and think_sigma >= 0):
+        raise ValueError(f"think_median must be > 0 and think_sigma >= 0, got {think_median!r}, {think_sigma!r}")
+    clock = _clock(seed)
+    start = _poisson(clock, conversation_rate, conversations)
+    think = clock.lognormal(math.log(think_median), think_sigma, size=(conversations, max(turns - 1, 0)))
+    at = np.concatenate([start[:, None], start[:, None] + np.cumsum(think, axis=1)], axis=1)  # [conversation, turn]
+    turn = [0] * conversations
+    arrival = []
+    for c in order:
+        arrival.append(at[c, turn[c]])
+        turn[c] += 1
+    return _in_arrival_order(_requests(prompts), arrival)
 
 
-def few_shot(prefix: int = 1000, questions: int = 200, suffix: int = 50, seed: int = 0):
-    """One shared few-shot prefix followed by a different short question each time."""
+def few_shot(prefix: int = 1000, questions: int = 200, suffix: int = 50, seed: int = 0, arrivals: bool = False,
+             rate: float = QUESTION_RATE):  # fmt: skip
+    """One shared few-shot prefix followed by a different short question each time;
+    with ``arrivals``, the questions arrive as a Poisson process of ``rate`` a second."""
     rng = np.random.default_rng(seed)
     shared = _fresh(rng, prefix)
-    return _requests([np.concatenate([shared, _fresh(rng, suffix)]) for _ in range(questions)])
+    requests = _requests([np.concatenate([shared, _fresh(rng, suffix)]) for _ in range(questions)])
+    return _in_arrival_order(requests, _poisson(_clock(seed), rate, questions)) if arrivals else requests
 
 
 def branching(fanout: int = 3, depth: int = 4, step: int = 100, seed: int = 0):
@@ -226,8 +397,12 @@ def branching(fanout: int = 3, depth: int = 4, step: int = 100, seed: int = 0):
     return _requests(prompts)
 
 
-def mixed(seed: int = 0):
-    """Multi-turn chat and few-shot requests interleaved in a random (seeded) order."""
+def mixed(seed: int = 0, arrivals: bool = False):
+    """Multi-turn chat and few-shot requests interleaved in a random (seeded) order;
+    with ``arrivals``, both timed (``multi_turn``, ``few_shot``) and merged by arrival."""
+    if arrivals:
+        merged = multi_turn(seed=seed, arrivals=True) + few_shot(seed=seed + 2, arrivals=True)
+        return sorted(merged, key=lambda r: r.arrival)  # stable: chats first on a tie
     rng = np.random.default_rng(seed + 1)
     a, b = multi_turn(seed=seed), few_shot(seed=seed + 2)
     tags = np.array([0] * len(a) + [1] * len(b))
@@ -241,6 +416,9 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "few_shot": few_shot,
     "branching": branching,
     "mixed": mixed,
+    # the same prompts with a chat service's arrival times (CONVERSATION_RATE and below)
+    "multi_turn_timed": partial(multi_turn, arrivals=True),
+    "mixed_timed": partial(mixed, arrivals=True),
 }
 
 
