@@ -80,7 +80,7 @@ class SimResult:
 def _outputs(trace: list[TraceRequest]) -> list[array]:
     """Output ids per request: given lists as they are; counts become ids outside the
     synthetic vocabulary that no prompt can repeat."""
-    next_id = max(VOCAB, 1 + max(max(r.tokens) for r in trace))
+    next_id = max(VOCAB, 1 + max(int(np.frombuffer(r.tokens, dtype=np.int32).max()) for r in trace))
     outs = []
     for r in trace:
         if isinstance(r.output_tokens, int):
@@ -299,7 +299,17 @@ class Belady(EvictionPolicy):
     A page is used by a later request whose prompt contains the page's whole token
     path. Deeper pages are never used sooner than their ancestors, so the victim is
     always the tail of some leaf; the leaf keeps its pages that are needed no later
-    than the runner-up leaf's tail.
+    than the runner-up leaf's tail. Ties (leaves no later request uses) go to the
+    longer path, then to the leaf created last, so a replay is reproducible.
+
+    Each leaf's next use is remembered with what fixes its path end, so a victim costs
+    one pass over the leaves with no path built and no index query for a leaf whose
+    path and next use still hold. A leaf's path only ever loses tail pages (splits and
+    merges move its edge's start, not its end), and its parent's end cannot move while
+    it has a child, so ``end(leaf) = end(parent) + len(leaf.key)`` is unchanged as long
+    as the leaf has the same parent object and key length (a merge or split changes
+    the parent; a tail eviction the length). The next use itself, the first request
+    after ``now`` that contains the path, stays right until ``now`` reaches it.
     """
 
     name = "belady"
@@ -314,35 +324,47 @@ class Belady(EvictionPolicy):
             keys.append(r.tokens.tobytes())
             idx.append(i)
         self.index = {ns: _NextUse(k, i) for ns, (k, i) in by_ns.items()}
-        self._cache: dict[tuple, float] = {}
+        # leaf -> (parent, len(key), path length in bytes, next use); holds nodes alive
+        # until pruned (when it outgrows the leaves it is asked about)
+        self._memo: dict[Node, tuple] = {}
 
     def _next_use(self, namespace, prefix: bytes) -> float:
-        """Next use of the page that ends ``prefix``. A cached answer stays right until
-        ``now`` reaches it."""
-        hit = self._cache.get((namespace, prefix))
-        if hit is not None and hit > self.now:
-            return hit
-        value = self.index[namespace].first_after(prefix, self.now)
-        self._cache[(namespace, prefix)] = value
-        return value
+        """Next use (request index after ``now``) of the page that ends ``prefix``."""
+        return self.index[namespace].first_after(prefix, self.now)
+
+    def _remember(self, leaf: Node) -> tuple[float, int]:
+        """Look up ``leaf``'s next use; remember it with its path length (bytes) and
+        return both."""
+        path = leaf.path_key()
+        value = self._next_use(leaf.namespace, path)
+        self._memo[leaf] = (leaf.parent, len(leaf.key), len(path), value)
+        return value, len(path)
 
     def choose(self, leaves: list[Node], need: int) -> tuple[Node, int]:
-        width = 4 * self.page_size
+        memo, now, remember = self._memo, self.now, self._remember
         ranked = []
         for leaf in leaves:
-            path = leaf.path_key()
-            ranked.append((self._next_use(leaf.namespace, path), len(path), id(leaf), leaf, path))
-        ranked.sort(reverse=True)
-        _, _, _, victim, path = ranked[0]
-        runner_up = ranked[1][0] if len(ranked) > 1 else -NEVER
+            hit = memo.get(leaf)
+            if hit is not None and hit[0] is leaf.parent and hit[1] == len(leaf.key) and hit[3] > now:
+                ranked.append((hit[3], hit[2], leaf.created, id(leaf), leaf))
+            else:
+                ranked.append((*remember(leaf), leaf.created, id(leaf), leaf))
+        top = heapq.nlargest(2, ranked)
+        victim = top[0][4]
+        runner_up = top[1][0] if len(top) > 1 else -NEVER
+        if len(memo) > 2 * len(leaves) + 1024:  # forget nodes that are gone or no longer leaves
+            self._memo = {leaf: memo[leaf] for leaf in leaves}
         # Largest k such that the k tail pages are all needed no sooner than runner_up.
         lo, hi = 1, min(need, len(victim.pages))
-        while lo < hi:
-            k = (lo + hi + 1) // 2
-            if self._next_use(victim.namespace, path[: len(path) - (k - 1) * width]) >= runner_up:
-                lo = k
-            else:
-                hi = k - 1
+        if lo < hi:
+            path = victim.path_key()
+            width = 4 * self.page_size
+            while lo < hi:
+                k = (lo + hi + 1) // 2
+                if self._next_use(victim.namespace, path[: len(path) - (k - 1) * width]) >= runner_up:
+                    lo = k
+                else:
+                    hi = k - 1
         return victim, lo
 
 
@@ -379,7 +401,31 @@ def sweep(
         for cap in capacity_pages:
             result = replay(trace, cap, page_size, name, in_flight, chunk_size, host_pages, store_pages, **timing)
             runs.append({**run_dict(trace, result), "capacity_fraction": cap / unique if unique else 0.0})
+    if belady:
+        add_gap(runs)
     return {"unique_pages": unique, "unlimited": run_dict(trace, unlimited), "runs": runs, **_live(trace)}
+
+
+def gap_closed(hit: float, lru: float | None, belady: float) -> float | None:
+    """The share of the LRU-to-Belady gap that hit rate ``hit`` closes:
+    ``(hit - lru) / (belady - lru)`` (0: LRU's, 1: Belady's; below 0 worse than LRU).
+    None when there is no gap (or no ``lru``)."""
+    if lru is None or belady == lru:
+        return None
+    return (hit - lru) / (belady - lru)
+
+
+def add_gap(runs: list[dict]) -> None:
+    """Add to every run, at each capacity where Belady ran, ``of_belady`` (hit rate /
+    Belady's; None when Belady hit nothing) and ``gap_closed`` (``gap_closed`` against
+    the ``lru`` run at that capacity; None without one). Mutates ``runs``."""
+    best = {r["capacity_pages"]: r["hit_rate"] for r in runs if r["policy"] == "belady"}
+    lru = {r["capacity_pages"]: r["hit_rate"] for r in runs if r["policy"] == "lru"}
+    for r in runs:
+        cap = r["capacity_pages"]
+        if cap in best:
+            r["of_belady"] = r["hit_rate"] / best[cap] if best[cap] else None
+            r["gap_closed"] = gap_closed(r["hit_rate"], lru.get(cap), best[cap])
 
 
 def byte_sweep(
@@ -668,7 +714,29 @@ def format_table(result: dict) -> str:
                 rows.append([f"  from {tier}"] + [f"{100 * by_cap[c][f'{tier}_hit_tokens'] / max(by_cap[c]['queried_tokens'], 1):.2f}"
                                                   for c in caps])  # fmt: skip
     rows.append(["unlimited"] + [f"{100 * result['unlimited']['hit_rate']:.2f}"] * len(caps))
-    return _render(rows)
+    text = _render(rows)
+    if any("of_belady" in r for r in runs):
+        text += "\n\n" + format_gap(result)
+    return text
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def format_gap(result: dict) -> str:
+    """Per policy (rows) and capacity (columns) where Belady ran: hit rate as a percent
+    of Belady's, then the percent of the LRU-to-Belady gap closed ("-": no gap, or no
+    LRU run)."""
+    runs = [r for r in result["runs"] if "of_belady" in r]
+    caps = sorted({r["capacity_pages"] for r in runs})
+    fractions = {r["capacity_pages"]: r["capacity_fraction"] for r in runs}
+    rows = [["% of belady / gap closed %"] + [f"{c} ({fractions[c]:.0%})" for c in caps]]
+    for name in dict.fromkeys(r["policy"] for r in runs):
+        by_cap = {r["capacity_pages"]: r for r in runs if r["policy"] == name}
+        rows.append([name] + [f"{_percent(by_cap[c]['of_belady'])} / {_percent(by_cap[c]['gap_closed'])}"
+                              if c in by_cap else "" for c in caps])  # fmt: skip
+    return _render(rows, left=1)
 
 
 MARKERS = "osD^vP*X"
