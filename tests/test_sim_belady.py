@@ -177,7 +177,8 @@ def test_sweep_reports_the_gap_for_every_policy_and_capacity():
         best = next(b for b in result["runs"] if b["policy"] == "belady" and b["capacity_pages"] == r["capacity_pages"])
         lru = next(b for b in result["runs"] if b["policy"] == "lru" and b["capacity_pages"] == r["capacity_pages"])
         assert r["of_belady"] == pytest.approx(r["hit_rate"] / best["hit_rate"])
-        assert r["gap_closed"] == pytest.approx((r["hit_rate"] - lru["hit_rate"]) / (best["hit_rate"] - lru["hit_rate"]))
+        gap = (r["hit_rate"] - lru["hit_rate"]) / (best["hit_rate"] - lru["hit_rate"])
+        assert r["gap_closed"] == pytest.approx(gap)
     table = sim.format_table(result)
     assert "% of belady / gap closed %" in table
     lfu = next(line for line in table.splitlines()[-4:] if line.startswith("lfu"))
