@@ -57,10 +57,11 @@ import numpy as np
 from radixkv.cache.compress import (
     OBSERVE_TOKENS, KVPolicySpec, View, ViewIndex, chain_hashes, keydiff_scores, page_sums, select_pages,
 )  # fmt: skip
+from radixkv.cache.pins import HARD, SOFT, Entry, PendingPin, PinInfo, PinRegistry, later
 from radixkv.cache.pool import PageAllocator, PageIds
-from radixkv.cache.radix import Node, RadixCache
+from radixkv.cache.radix import Node, RadixCache, token_key
 from radixkv.errors import FieldError, IntegrityError
-from radixkv.validate import ceil_div
+from radixkv.validate import ceil_div, check_float
 
 _EMPTY = np.empty(0, dtype=np.int32)
 FLUSH_TIERS = ("memory", "device", "host", "store", "all")  # what flush empties; memory = device + host
@@ -139,7 +140,8 @@ class KVCacheManager:
     """
 
     def __init__(self, pool: PageAllocator, tree: RadixCache | None, page_size: int, tiers=None,
-                 rerotate: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None):
+                 rerotate: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+                 max_pinned_share: float = 0.5):  # fmt: skip
         if tree is not None and tree.page_size != page_size:
             raise ValueError(f"page_size {page_size} but the tree's pages hold {tree.page_size} tokens")
         if tiers is not None and tree is None:
@@ -155,6 +157,9 @@ class KVCacheManager:
         # shifts[i] positions back (the engine binds the pool and the model's rotary); None:
         # pages are moved without content (the simulator's allocator has none)
         self.rerotate = rerotate
+        # pins, TTLs, hints and sessions (radixkv.cache.pins): entries that hold tree locks
+        self.max_pinned_share = check_float("max_pinned_share", max_pinned_share, 0.0, 1.0)
+        self.pinned = PinRegistry()
 
     # -- queries -------------------------------------------------------------------------
 
@@ -282,6 +287,8 @@ class KVCacheManager:
         check_flush_tiers(tiers)
         freed = 0
         if self.tree is not None and tiers in ("device", "memory", "all"):
+            for eid in [eid for eid, e in self.pinned.entries.items() if e.kind in SOFT]:
+                self._unpin(eid)  # hints are advice; pins and TTLs stay (their pages stay locked)
             freed += self.views.clear()
             hook, self.tree.on_evict = self.tree.on_evict, None
             try:
@@ -294,6 +301,222 @@ class KVCacheManager:
             if tiers in ("store", "all"):
                 self.tiers.flush("store")
         return freed
+
+    # -- pins, TTLs, hints and sessions (radixkv.cache.pins) ----------------------------------
+
+    @property
+    def max_pinned_pages(self) -> int:
+        """The cap on distinct pages under pins and TTLs: ``max_pinned_share`` of the pool."""
+        return int(self.max_pinned_share * self.pool.num_pages)
+
+    def pin(self, tokens, namespace=None, ttl: float | None = None, now: float = 0.0, field: str = "pin",
+            claim: PendingPin | None = None) -> PinInfo:  # fmt: skip
+        """Pin the cached whole-page prefix of ``tokens``: lock the node that ends it and
+        record an entry, kind "pin" (until ``unpin``) or with ``ttl`` "ttl" (until ``now +
+        ttl``, then ``expire`` lets it go). A prefix pinned already keeps its one entry,
+        refreshed: the later expiry wins (None, never, is the latest).
+
+            tokens  |== cached whole pages: locked, counted in the cap ==|== rest: not pinned ==|
+
+        ``claim`` (from ``claim_pin``) is the caller's reservation, given up here first.
+        Raises FieldError naming ``field``, changing nothing else, when no whole page of
+        ``tokens`` is cached, or when the distinct pages under pins and TTLs, with those
+        claimed by requests in flight, would pass ``max_pinned_pages``.
+
+        Mutates: may split a node (the match), lock counts, the registry.
+        """
+        if claim is not None:
+            self.release_claim(claim)
+        m = self._match_whole(tokens, namespace, field)
+        if m is None:
+            raise FieldError(field, f"{field}: no whole page ({self.page_size} tokens) of the prefix is cached: "
+                                    f"nothing to pin")  # fmt: skip
+        key = token_key(tokens)[: m.num_tokens * 4]
+        expires = None if ttl is None else now + ttl
+        old = self.pinned.find("pin", namespace, key)
+        if old is not None:
+            old.expires_at = later(old.expires_at, expires)
+            old.kind = "pin" if old.expires_at is None else "ttl"
+            self.pinned.schedule(old)
+            return old.info()
+        claimed, hard = self._claimed_pages()
+        self._check_cap(field, len(m.pages) - self._pages_on_path(m.node, hard), claimed)
+        return self._add(Entry(self.pinned.new_id("pin"), "pin" if ttl is None else "ttl", namespace, key, m.node,
+                               len(m.pages), now, expires))  # fmt: skip
+
+    def claim_pin(self, tokens, namespace=None, field: str = "pin") -> PendingPin | None:
+        """Reserve room under the cap for pinning the whole pages of ``tokens`` later (a
+        request with a pin, when it finishes): the pages not pinned now count against the
+        cap until ``pin(..., claim=)`` or ``release_claim``. Claims of one prefix count
+        once. None when ``tokens`` holds no whole page (nothing will be pinned).
+
+        Raises FieldError naming ``field`` (nothing claimed) beyond the cap. Mutates the
+        claims; a bookkeeping match may split a node.
+        """
+        whole = len(tokens) // self.page_size * self.page_size
+        if self.tree is None:
+            raise FieldError(field, f"{field}: pins need the prefix cache (enable_prefix_cache)")
+        if whole == 0:
+            return None
+        claim = PendingPin(namespace, token_key(tokens[:whole]))
+        pk = (claim.namespace, claim.key)
+        if pk not in self.pinned.pending:
+            m = self.tree.match_prefix(tokens[:whole], namespace, record_stats=False)
+            claimed, hard = self._claimed_pages()
+            self._check_cap(field, whole // self.page_size - self._pages_on_path(m.node, hard), claimed)
+        self.pinned.pending[pk] = self.pinned.pending.get(pk, 0) + 1
+        return claim
+
+    def release_claim(self, claim: PendingPin) -> None:
+        """Give back one ``claim_pin`` reservation (a request that ended without pinning)."""
+        pk = (claim.namespace, claim.key)
+        left = self.pinned.pending.get(pk, 0) - 1
+        if left > 0:
+            self.pinned.pending[pk] = left
+        else:
+            self.pinned.pending.pop(pk, None)
+
+    def hint(self, tokens, namespace=None, ttl: float = 30.0, now: float = 0.0, uses: int = 1,
+             session: str | None = None, kind: str = "hint") -> PinInfo | None:  # fmt: skip
+        """Protect the cached whole-page prefix of ``tokens`` as advice (radixkv.cache.pins):
+        kind "hint" until ``uses`` admitted sequences continue it (``use_hints``), or kind
+        "session" (``session`` required) until the session's next request replaces it;
+        either until ``now + ttl``, ``end_session``, or memory pressure (``drop_hint``). A
+        hint of the same prefix and session adds its uses and the later expiry. Never
+        counted in the cap; None when nothing of ``tokens`` is cached.
+
+        Mutates: may split a node (the match), lock counts, the registry.
+        """
+        if kind not in SOFT or (kind == "session" and session is None):
+            raise ValueError(f"hint kinds are {sorted(SOFT)}; a session entry needs its session")
+        m = self._match_whole(tokens, namespace) if self.tree is not None else None
+        if m is None:
+            return None
+        key = token_key(tokens)[: m.num_tokens * 4]
+        old = self.pinned.session(session) if kind == "session" else self.pinned.find("hint", namespace, key, session)
+        if kind == "hint" and old is not None:
+            old.uses += uses
+            old.expires_at = later(old.expires_at, now + ttl)
+            self.pinned.schedule(old)
+            return old.info()
+        info = self._add(Entry(self.pinned.new_id(kind), kind, namespace, key, m.node, len(m.pages), now, now + ttl,
+                               uses if kind == "hint" else None, session))  # fmt: skip
+        if old is not None:  # the session's entry moves (the new lock is taken first: no merge in between)
+            self._unpin(old.id)
+        return info
+
+    def use_hints(self, seq: SeqKV, session: str | None = None) -> None:
+        """``seq`` was admitted and holds its lock: every hint its locked path reaches
+        (ends at or below) counts a use, and goes when used up; the earlier session entry
+        of ``session`` goes too (replaced by this request). Costs a walk up the path only
+        while hints exist. Mutates the registry and lock counts."""
+        if seq.node is not None and self.pinned.has_hints():
+            node = seq.node
+            while node.parent is not None:  # locked by seq all the way up: releases merge nothing here
+                for eid in list(self.pinned.hints_on(node)):
+                    e = self.pinned.entries[eid]
+                    e.uses -= 1
+                    if e.uses <= 0:
+                        self._unpin(eid)
+                        self.pinned.used += 1
+                node = node.parent
+        if session is not None:
+            old = self.pinned.session(session)
+            if old is not None:
+                self._unpin(old.id)
+                self.pinned.used += 1
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release the entry ``pin_id`` (any kind); False when there is none (unknown,
+        expired, used up). Mutates lock counts and the registry."""
+        if pin_id not in self.pinned.entries:
+            return False
+        self._unpin(pin_id)
+        return True
+
+    def end_session(self, session: str) -> int:
+        """Release every entry ``session`` owns (its session entry and its hints); returns
+        how many. Mutates lock counts and the registry."""
+        ids = self.pinned.of_session(session)
+        for eid in ids:
+            self._unpin(eid)
+        self.pinned.forget(session)
+        return len(ids)
+
+    def expire(self, now: float) -> int:
+        """Release the entries whose expiry is at or before ``now``; O(1) when none is due.
+        Returns how many went. Mutates lock counts and the registry."""
+        due = self.pinned.due(now)
+        for eid in due:
+            e = self.pinned.entries[eid]
+            self._unpin(eid)
+            if e.session is not None:
+                self.pinned.forget(e.session)  # only once the program holds nothing more
+        self.pinned.expired += len(due)
+        self.pinned.refresh_counts()
+        return len(due)
+
+    def drop_hint(self, younger_than: int | None = None) -> bool:
+        """Give up one hint or session entry under memory pressure (``PinRegistry.soft_victim``'s
+        order: the youngest program's first; with ``younger_than``, only a program born
+        after that rank); False when there is none. A ``make_room`` for ``reserve``.
+        Mutates lock counts and the registry."""
+        eid = self.pinned.soft_victim(younger_than)
+        if eid is None:
+            return False
+        self._unpin(eid)
+        self.pinned.dropped += 1
+        return True
+
+    def pins(self) -> list[PinInfo]:
+        """Every entry, oldest first. Does not mutate."""
+        return [e.info() for e in self.pinned.entries.values()]
+
+    def _add(self, e: Entry) -> PinInfo:
+        self.tree.lock(e.node)
+        self.pinned.add(e)
+        return e.info()
+
+    def _unpin(self, eid: str) -> None:
+        e = self.pinned.remove(eid)
+        self.tree.unlock(e.node)
+
+    def _match_whole(self, tokens, namespace, field: str = "tokens"):
+        """The tree's match of the whole pages of ``tokens`` (no statistics), or None when
+        it holds none."""
+        if self.tree is None:
+            raise FieldError(field, f"{field}: pins and hints need the prefix cache (enable_prefix_cache)")
+        m = self.tree.match_prefix(tokens, namespace, record_stats=False)
+        return m if len(m.pages) else None
+
+    @staticmethod
+    def _pages_on_path(node: Node, nodes: set[Node]) -> int:
+        """Pages of ``node``'s path to the root that lie in ``nodes``."""
+        count = 0
+        while node.parent is not None:
+            if node in nodes:
+                count += len(node.pages)
+            node = node.parent
+        return count
+
+    def _claimed_pages(self) -> tuple[int, set[Node]]:
+        """Pages the claims of requests in flight may still pin (their prefixes' whole
+        pages not pinned now; a prefix not cached counts whole), and the nodes under
+        pins. Matches first (a match may split a node), then the pinned paths."""
+        ends = []
+        for (namespace, key) in self.pinned.pending:
+            m = self.tree.match_prefix(np.frombuffer(key, dtype=np.int32), namespace, record_stats=False)
+            ends.append((len(key) // (4 * self.page_size), m.node))
+        hard = self.pinned.hard_nodes()
+        return sum(total - self._pages_on_path(node, hard) for total, node in ends), hard
+
+    def _check_cap(self, field: str, new: int, claimed: int) -> None:
+        total = self.pinned.pinned_pages + claimed + new
+        if new > 0 and total > self.max_pinned_pages:
+            raise FieldError(field, f"{field}: pinning {new} more pages would put {total} of the pool's "
+                                    f"{self.pool.num_pages} pages under pins ({self.pinned.pinned_pages} pinned, "
+                                    f"{claimed} claimed by requests in flight); the cap is {self.max_pinned_pages} "
+                                    f"pages (max_pinned_share {self.max_pinned_share:g})")  # fmt: skip
 
     # -- long-context policies ---------------------------------------------------------------
 
@@ -537,6 +760,7 @@ class KVCacheManager:
             if s.node.path_pages().tobytes() != s.pages[vp : vp + shared].tobytes():
                 raise IntegrityError("a sequence's shared pages are not the pages of its locked path")
         if self.tree is not None:
+            self._check_locks(seqs)
             self.views.check()
             refs = self.owners(seqs)
             for page, n in self.views.owners().items():
@@ -551,6 +775,27 @@ class KVCacheManager:
             if not np.array_equal(refs, expected):
                 bad = int(np.flatnonzero(refs != expected)[0])
                 raise IntegrityError(f"page {bad}: refcount {refs[bad]} but sequences hold {expected[bad]}")
+
+    def _check_locks(self, seqs: Sequence[SeqKV]) -> None:
+        """Every tree lock has its owner: a node's lock count is exactly the sequences and
+        the pin entries (radixkv.cache.pins) whose locked path holds it; every entry's node
+        is alive and ends its prefix's whole pages. Raises IntegrityError."""
+        ends = [s.node for s in seqs if s.node is not None]
+        for e in self.pinned.entries.values():
+            if not e.node.alive or e.node.namespace != e.namespace:
+                raise IntegrityError(f"{e.id}: its node was evicted or lies in another namespace")
+            if e.node.path_key() != e.key or len(e.node.path_pages()) != e.pages:
+                raise IntegrityError(f"{e.id}: its node does not end its {e.tokens} tokens")
+            ends.append(e.node)
+        expected: dict[Node, int] = {}
+        for node in ends:
+            while node.parent is not None:
+                expected[node] = expected.get(node, 0) + 1
+                node = node.parent
+        for node in self.tree.nodes():
+            if node.lock_ref != expected.get(node, 0):
+                raise IntegrityError(f"{node!r}: {node.lock_ref} locks but its owners (sequences, pins) hold "
+                                     f"{expected.get(node, 0)}")  # fmt: skip
 
     # -- internals ---------------------------------------------------------------------------
 
