@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixkv.cache.formats import KVFormat, kv_format
+from radixkv.cache.pins import MAX_TTL
 from radixkv.cache.store import check_store_spec
 from radixkv.cache.tiers import WRITE_POLICIES
 from radixkv.model.loader import as_dtype
 from radixkv.model.registry import DEFAULT_MODEL
-from radixkv.validate import check_int, check_optional_int
+from radixkv.validate import check_float, check_int, check_optional_int
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class EngineConfig:
     kv_store: str | None = None  # a store below: lmdb:PATH or redis://HOST:PORT/DB; None: none
     kv_store_bytes: int = 8 << 30  # an LMDB store's size bound (a Redis server bounds itself: maxmemory)
     kv_store_write: str = "back"  # back: store pages as they leave the tiers above; through: as the tree takes them
+    # pins, TTLs, hints, sessions (radixkv.cache.pins): the share of the pool pins and TTLs may
+    # hold; how long a hint (a program's next step) and a session's entry wait, in seconds; how
+    # long an idle engine keeps a waiting request out rather than give advice up
+    max_pinned_share: float = 0.5
+    hint_ttl: float = 30.0
+    session_ttl: float = 300.0
+    hint_hold: float = 1.0
 
     def __post_init__(self):
         for name in ("page_size", "max_batch_tokens", "max_running", "kv_store_bytes"):
@@ -48,6 +56,10 @@ class EngineConfig:
             check_optional_int(name, getattr(self, name), 1)
         if self.kv_cache_tokens is not None and self.memory_bytes is not None:
             raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
+        check_float("max_pinned_share", self.max_pinned_share, 0.0, 1.0)
+        for name in ("hint_ttl", "session_ttl"):
+            check_float(name, getattr(self, name), 0.0, MAX_TTL, lo_open=True)
+        check_float("hint_hold", self.hint_hold, 0.0, 3600.0)
         as_dtype(self.dtype)
         if self.kv_store is not None:
             check_store_spec(self.kv_store)

@@ -20,21 +20,24 @@ from typing import AsyncIterator, Sequence
 from radixkv.cache.capture import SESSION, TraceWriter
 from radixkv.cache.compress import resolve_policy
 from radixkv.cache.manager import check_flush_tiers
+from radixkv.cache.pins import MAX_TTL, PinInfo
 from radixkv.errors import FieldError
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.constrain import Constraint, Grammar
 from radixkv.engine.loop import EngineLoop
 from radixkv.engine.messages import (
-    Abort, AbortAll, AddRequests, Close, Finished, NewRequest, Output, Query, QueryDone, Stopped,
+    Abort, AbortAll, AddRequests, Close, Finished, Hint, NewRequest, Output, Query, QueryDone, Stopped, Unpin,
 )  # fmt: skip
-from radixkv.engine.request import CompletionOutput, RequestMetrics, RequestOutput, StreamChunk, new_rid
+from radixkv.engine.request import (
+    CacheControl, CompletionOutput, RequestMetrics, RequestOutput, StreamChunk, check_session_id, new_rid,
+)  # fmt: skip
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.chat_template import ChatTemplate
 from radixkv.model.registry import DEFAULT_MODEL, resolve_model
 from radixkv.model.tokenizer import Tokenizer
-from radixkv.validate import is_int
+from radixkv.validate import check_float, check_int, is_int
 
-__all__ = ["Engine", "EngineConfig", "RequestStream"]
+__all__ = ["CacheControl", "Engine", "EngineConfig", "PinInfo", "RequestStream"]
 
 
 class _Sink:
@@ -97,8 +100,19 @@ def _output(rid: str, parts: list[Finished]) -> RequestOutput:
     return RequestOutput(
         rid, first.prompt_tokens, first.cached_tokens, [p.completion for p in parts], first.prompt_logprobs,
         next((p.error for p in parts if p.error), None), metrics,
-        next((p.error_param for p in parts if p.error), None),
+        next((p.error_param for p in parts if p.error), None), next((p.pin for p in parts if p.pin), None),
     )  # fmt: skip
+
+
+def _cache_controls(value) -> tuple[CacheControl, ...]:
+    """``cache_control`` as a tuple: None, a CacheControl, or a list of them."""
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, CacheControl) else tuple(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(c, CacheControl) for c in items):
+        raise FieldError("cache_control", f"cache_control must be a CacheControl or a list of them, got "
+                                          f"{type(value).__name__}")  # fmt: skip
+    return items
 
 
 class Reply:
@@ -172,29 +186,41 @@ class Engine:
     # -- public API --------------------------------------------------------------
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 namespace: str | None = None) -> RequestOutput | list[RequestOutput]:  # fmt: skip
+                 namespace: str | None = None, *, cache_control=None,
+                 session_id: str | None = None) -> RequestOutput | list[RequestOutput]:  # fmt: skip
         """Generate for one prompt (text or token ids) or a list of them; returns one
-        output or a list, in order. Blocks the caller, not the engine."""
+        output or a list, in order. Blocks the caller, not the engine.
+
+        ``cache_control``: a CacheControl (or a list of them) saying what each request
+        keeps cached when it ends: its prompt's prefix pinned, for a ttl, or as a hint
+        (the output's ``pin`` is the entry pinned); past ``max_pinned_share`` the request
+        fails at once with ``error_param`` "cache_control". ``session_id``: when a
+        request ends, its whole prefix stays protected for ``session_ttl`` seconds,
+        until the session's next request (advice: see radixkv.cache.pins)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         plist = params if isinstance(params, (list, tuple)) else [params] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"params has {len(plist)} entries for {len(batch)} prompts")
         compiled = [self.compile_constraint(sp) if isinstance(sp, SamplingParams) else None for sp in plist]
-        sinks = [self._submit(p, sp, namespace, constraint=c) for p, sp, c in zip(batch, plist, compiled)]
+        sinks = [self._submit(p, sp, namespace, constraint=c, cache_control=cache_control, session_id=session_id)
+                 for p, sp, c in zip(batch, plist, compiled)]  # fmt: skip
         for sink in sinks:
             sink.done.wait()
         outs = [sink.result for sink in sinks]
         return outs[0] if single else outs
 
     async def generate_async(self, prompt, params: SamplingParams | None = None, namespace: str | None = None,
-                             constraint: Constraint | None = None) -> RequestOutput:  # fmt: skip
+                             constraint: Constraint | None = None, *, cache_control=None,
+                             session_id: str | None = None) -> RequestOutput:  # fmt: skip
         """Generate for one prompt; cancelling the awaiting task aborts the request. A
         constraint (``params.grammar``) is compiled in a worker thread unless ``constraint``
-        (from ``compile_constraint``) is given."""
+        (from ``compile_constraint``) is given. ``cache_control``, ``session_id``: as in
+        ``generate``."""
         if constraint is None and params is not None and params.grammar is not None:
             constraint = await asyncio.to_thread(self.compile_constraint, params)
-        sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), constraint=constraint)
+        sink = self._submit(prompt, params, namespace, loop=asyncio.get_running_loop(), constraint=constraint,
+                            cache_control=cache_control, session_id=session_id)  # fmt: skip
         try:
             return await sink.future
         except asyncio.CancelledError:
@@ -202,25 +228,29 @@ class Engine:
                 self.abort(sink.rid)
             raise
 
-    async def stream(self, prompt, params: SamplingParams | None = None,
-                     namespace: str | None = None) -> AsyncIterator[StreamChunk]:  # fmt: skip
+    async def stream(self, prompt, params: SamplingParams | None = None, namespace: str | None = None, *,
+                     cache_control=None, session_id: str | None = None) -> AsyncIterator[StreamChunk]:  # fmt: skip
         """Text deltas and token ids as they are generated; never splits a character
-        or emits text a stop string will cut. Closing the iterator early aborts."""
+        or emits text a stop string will cut. Closing the iterator early aborts.
+        ``cache_control``, ``session_id``: as in ``generate``."""
         constraint = None
         if params is not None and params.grammar is not None:
             constraint = await asyncio.to_thread(self.compile_constraint, params)
-        async with self.open_stream(prompt, params, namespace, constraint) as stream:
+        async with self.open_stream(prompt, params, namespace, constraint, cache_control=cache_control,
+                                    session_id=session_id) as stream:  # fmt: skip
             async for chunk in stream:
                 yield chunk
 
     def open_stream(self, prompt, params: SamplingParams | None = None, namespace: str | None = None,
-                    constraint: Constraint | None = None) -> RequestStream:  # fmt: skip
+                    constraint: Constraint | None = None, *, cache_control=None,
+                    session_id: str | None = None) -> RequestStream:  # fmt: skip
         """Submit a request now and return its RequestStream (see ``stream``), which also
         knows the request id and, once exhausted, the whole RequestOutput. Call from a
         running event loop; a constrained request (``params.grammar``) needs its ``constraint``
         compiled first (``compile_constraint``, off the loop)."""
         loop = asyncio.get_running_loop()
-        return RequestStream(self, self._submit(prompt, params, namespace, loop=loop, stream=True, constraint=constraint))
+        return RequestStream(self, self._submit(prompt, params, namespace, loop=loop, stream=True, constraint=constraint,
+                                                cache_control=cache_control, session_id=session_id))  # fmt: skip
 
     def compile_constraint(self, params: SamplingParams | None) -> Constraint | None:
         """The compiled constraint of ``params`` (regex, json_schema, ebnf or choices; None
@@ -232,11 +262,13 @@ class Engine:
             return None
         return self.grammar.compile(params.grammar)
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, namespace: str | None = None,
-             **template_args) -> RequestOutput:  # fmt: skip
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, namespace: str | None = None, *,
+             cache_control=None, session_id: str | None = None, **template_args) -> RequestOutput:  # fmt: skip
         """Generate for ``messages`` as ``chat_prompt_ids`` tokenizes them (which takes
-        ``template_args``, ``special_tokens_in_content`` among them)."""
-        return self.generate(self.chat_prompt_ids(messages, **template_args), params, namespace)
+        ``template_args``, ``special_tokens_in_content`` among them); ``cache_control``,
+        ``session_id`` as in ``generate``."""
+        return self.generate(self.chat_prompt_ids(messages, **template_args), params, namespace,
+                             cache_control=cache_control, session_id=session_id)  # fmt: skip
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_args) -> str:
         """``messages`` as the model's chat template writes them (text, not ids). Encoding
@@ -290,6 +322,55 @@ class Engine:
         Raises IntegrityError."""
         self._query("check")
 
+    # -- pins, TTLs, hints, sessions (radixkv.cache.pins) --------------------------------
+
+    def pin(self, prompt, ttl: float | None = None, namespace: str | None = None) -> PinInfo:
+        """Pin the whole pages of ``prompt`` (text or token ids) in the prefix cache: its
+        pages are never evicted until ``unpin(info.id)`` (with ``ttl``: for ``ttl`` seconds).
+        What is not cached yet is computed first (a one-token generation). Pinning a
+        pinned prefix refreshes it (the later expiry wins). Raises FieldError naming the
+        field: past ``max_pinned_share`` of the pool ("pin", the message names the cap),
+        a prompt shorter than a page ("prompt")."""
+        if ttl is not None:
+            check_float("ttl", ttl, 0.0, MAX_TTL, lo_open=True)
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        out = self.generate(prompt, params, namespace, cache_control=CacheControl(ttl=ttl))
+        if out.error is not None:
+            field = "pin" if out.error_param == "cache_control" else out.error_param or "prompt"
+            raise FieldError(field, out.error.replace("cache_control", field, 1))
+        if out.pin is None:
+            raise FieldError("prompt", f"prompt has {out.prompt_tokens} tokens, no whole page ({self.config.page_size}"
+                                       f" tokens) to pin")  # fmt: skip
+        return out.pin
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release the entry ``pin_id`` (a pin, TTL, hint or session entry); False when
+        there is none (unknown, expired or used up)."""
+        return self._command(lambda qid: Unpin(qid, pin_id=pin_id))
+
+    def hint(self, prompt, ttl: float | None = None, uses: int = 1, namespace: str | None = None,
+             session_id: str | None = None) -> PinInfo | None:  # fmt: skip
+        """Protect what is cached of ``prompt`` until ``uses`` requests that continue it
+        are admitted, or ``ttl`` seconds (None: ``hint_ttl``), or ``end_session`` of
+        ``session_id``: advice, given up under memory pressure (radixkv.cache.pins).
+        Computes nothing; None when no whole page of it is cached."""
+        ids = tuple(self.prompt_ids(prompt))
+        if ttl is not None:
+            check_float("ttl", ttl, 0.0, MAX_TTL, lo_open=True)
+        check_int("uses", uses, 1, 1 << 20)
+        check_session_id(session_id)
+        return self._command(lambda qid: Hint(qid, ids, namespace, ttl, uses, session_id))
+
+    def end_session(self, session_id: str) -> int:
+        """Release every entry of ``session_id`` (its session entry and hints); how many."""
+        check_session_id(session_id)
+        return self._command(lambda qid: Unpin(qid, session_id=session_id))
+
+    def pins(self) -> list[dict]:
+        """Every pin, TTL, hint and session entry (id, kind, tokens, pages, expires_in in
+        seconds, uses, session), oldest first: ``stats()["pins"]["entries"]``."""
+        return self.stats()["pins"]["entries"]
+
     def is_alive(self) -> bool:
         """True while the engine thread runs (False after ``close`` or a crash)."""
         return self._thread.is_alive()
@@ -310,9 +391,12 @@ class Engine:
 
     # -- submission --------------------------------------------------------------
 
-    def _submit(self, prompt, params, namespace, loop=None, stream=False, constraint=None) -> _Sink:
+    def _submit(self, prompt, params, namespace, loop=None, stream=False, constraint=None, cache_control=None,
+                session_id=None) -> _Sink:  # fmt: skip
         if self._closed:
             raise RuntimeError("the engine is closed")
+        controls = _cache_controls(cache_control)
+        check_session_id(session_id)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -327,7 +411,8 @@ class Engine:
         now = time.perf_counter()
         reqs = tuple(
             NewRequest(rid, i, ids, params, namespace,
-                       constraint if i == 0 or constraint is None else constraint.copy(), stream, now)  # fmt: skip
+                       constraint if i == 0 or constraint is None else constraint.copy(), stream, now,
+                       controls, session_id)  # fmt: skip
             for i in range(params.n)
         )
         self._commands.put(AddRequests(reqs))
@@ -402,6 +487,18 @@ class Engine:
         qid = next(self._qids)
         reply = self._replies[qid] = Reply()
         self._commands.put(Query(what, qid))
+        try:
+            return reply.wait(self._thread.is_alive)
+        finally:
+            self._replies.pop(qid, None)
+
+    def _command(self, make):
+        """Send ``make(qid)`` (a Hint or Unpin) to the loop and return its answer."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        qid = next(self._qids)
+        reply = self._replies[qid] = Reply()
+        self._commands.put(make(qid))
         try:
             return reply.wait(self._thread.is_alive)
         finally:

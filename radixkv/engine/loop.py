@@ -6,7 +6,8 @@ both typed messages (messages.py), and shares no object with the client side: th
 ``Engine`` runs it in a thread today, and nothing in it assumes the client lives in the
 same process.
 
-One iteration: drain every command (add, abort, queries), then run one step:
+One iteration: drain every command (add, abort, queries, hints, unpins), release the
+pins, hints and sessions whose time is up, then run one step:
 
     schedule -> build the batch -> model forward -> advance the KV state
              -> prompt logprobs -> constraint masks (computed beside the forward),
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import time
 from typing import Callable
 
 import torch
@@ -33,12 +35,13 @@ from radixkv.cache.tiers import HostTier, KVTiers, layout, tokenizer_fingerprint
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.constrain import prefetch
 from radixkv.engine.messages import (
-    Abort, AbortAll, AddRequests, Close, Command, NewRequest, Output, Query, QueryDone, Stopped,
+    Abort, AbortAll, AddRequests, Close, Command, Hint, NewRequest, Output, Query, QueryDone, Stopped, Unpin,
 )  # fmt: skip
 from radixkv.engine.output import OutputProcessor
 from radixkv.engine.request import Request
 from radixkv.engine.sampling import Sampler, SamplerState
 from radixkv.engine.scheduler import Scheduler
+from radixkv.errors import FieldError
 from radixkv.kernels import get_backend
 from radixkv.model.llama import rerotate_pages
 from radixkv.model.loader import as_dtype, load_model
@@ -79,9 +82,9 @@ class EngineLoop:
         if cfg.context_length is not None and cfg.context_length > mc.max_position_embeddings:
             raise ValueError(f"context_length {cfg.context_length} is past the model's trained context "
                              f"({mc.max_position_embeddings} positions)")  # fmt: skip
-        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, self._rerotate)
+        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, self._rerotate, cfg.max_pinned_share)
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
-                                   cfg.chunked_prefill_size)  # fmt: skip
+                                   cfg.chunked_prefill_size, cfg.hint_hold)  # fmt: skip
         self.sampler = Sampler()
         self.send = send
         self.output = OutputProcessor(self.tokenizer.eos_token_ids, self.max_context, send)
@@ -133,7 +136,7 @@ class EngineLoop:
         (``Stopped`` is still sent)."""
         try:
             while True:
-                idle = not self.scheduler.has_work()
+                idle = not self.scheduler.has_work() or self.scheduler.holding  # holding: wait for commands
                 try:
                     command = inbox.get(timeout=0.05) if idle else inbox.get_nowait()
                 except queue.Empty:
@@ -144,6 +147,7 @@ class EngineLoop:
                         return
                     self._run_command(command)
                     continue  # drain all commands before the next step
+                self.kv.expire(time.monotonic())
                 if self.scheduler.has_work():
                     try:
                         self._step()
@@ -160,7 +164,12 @@ class EngineLoop:
     def _run_command(self, command: Command) -> None:
         if isinstance(command, AddRequests):
             for new in command.reqs:
-                self.scheduler.add(self._request(new))
+                self._add(self._request(new))
+        elif isinstance(command, (Hint, Unpin)):
+            try:
+                self.send(QueryDone(command.qid, self._pin_command(command)))
+            except Exception as e:  # delivered to the caller's thread
+                self.send(QueryDone(command.qid, error=e))
         elif isinstance(command, AbortAll):
             self._end(self.scheduler.requests(), "abort")
         elif isinstance(command, Abort):
@@ -183,7 +192,67 @@ class EngineLoop:
             kv=SeqKV(new.namespace, new.params.priority, policy=self._policy(new.params, len(ids))),
             constraint=new.constraint,
             arrival_time=new.arrival_time,
+            cache_control=new.cache_control,
+            session_id=new.session_id,
         )  # fmt: skip
+
+    def _add(self, req: Request) -> None:
+        """Queue a new request; one whose pin would pass the cap ends at once with the
+        error (nothing computed), else its pins hold their claims until it ends."""
+        try:
+            for i, c in enumerate(req.cache_control):
+                if not c.hint:
+                    claim = self.kv.claim_pin(req.prompt_ids[: c.upto or len(req.prompt_ids)], req.kv.namespace,
+                                              "cache_control")  # fmt: skip
+                    if claim is not None:
+                        req.claims[i] = claim
+        except FieldError as e:
+            self._release_claims(req)
+            req.error_param = e.field
+            self._end([req], "error", str(e))
+            return
+        self.scheduler.add(req)
+
+    def _pin_command(self, command: Hint | Unpin):
+        if isinstance(command, Unpin):
+            if command.pin_id is not None:
+                return self.kv.unpin(command.pin_id)
+            return self.kv.end_session(command.session_id)
+        ttl = self.config.hint_ttl if command.ttl is None else command.ttl
+        return self.kv.hint(command.tokens, command.namespace, ttl, time.monotonic(), command.uses, command.session_id)
+
+    def _keep(self, req: Request, computed: int) -> None:
+        """What ``req`` leaves protected as it ends (its pages published and unlocked just
+        before, so its prefix is all in the tree): each CacheControl's prompt prefix,
+        pinned or hinted, and with a session_id its whole computed prefix as the session's
+        entry (prompt and output, whole pages):
+
+            tokens  |== prompt[:upto]: pin / ttl / hint ==|== rest of the prompt ==|== output ==|
+                    |======== session entry: every whole page computed ========|partial|
+        """
+        now = time.monotonic()
+        prompt = req.prompt_ids
+        for i, c in enumerate(req.cache_control):
+            part = prompt[: c.upto or len(prompt)]
+            if c.hint:
+                self.kv.hint(part, req.kv.namespace, c.ttl or self.config.hint_ttl, now, c.uses, req.session_id)
+                continue
+            try:
+                info = self.kv.pin(part, req.kv.namespace, c.ttl, now, "cache_control", req.claims.pop(i, None))
+            except FieldError as e:  # nothing of it cached (it ended early), or shorter than a page
+                logger.info("request %s: nothing pinned: %s", req.rid, e)
+                continue
+            if req.pin is None or info.tokens > req.pin.tokens:
+                req.pin = info
+        self._release_claims(req)
+        if req.session_id is not None and computed:
+            self.kv.hint(req.tokens[:computed], req.kv.namespace, self.config.session_ttl, now,
+                         session=req.session_id, kind="session")  # fmt: skip
+
+    def _release_claims(self, req: Request) -> None:
+        for claim in req.claims.values():
+            self.kv.release_claim(claim)
+        req.claims.clear()
 
     def _policy(self, params, prompt_len: int):
         """The request's long-context policy for this pool's pages (checked by the client)."""
@@ -195,8 +264,13 @@ class EngineLoop:
         the scheduler wherever they are (their computed pages still enter the cache),
         record ``reason`` and send their final output."""
         for req in reqs:
+            computed = req.kv.computed
             self.scheduler.remove(req)
             req.finish_reason, req.error = reason, error
+            if reason == "error":
+                self._release_claims(req)
+            elif req.cache_control or req.session_id is not None:
+                self._keep(req, computed)
             self.output.deliver(req, flush)
 
     def _step(self) -> None:
@@ -206,7 +280,7 @@ class EngineLoop:
             self.output.deliver(req, flush=True)
         sched.stopped.clear()
         if not plan:
-            if not sched.running and sched.waiting:  # nothing fits even in an empty pool
+            if not sched.running and sched.waiting and not sched.holding:  # nothing fits even in an empty pool
                 self._end([sched.waiting[0]], "error", "not enough KV cache for this request")
             return
         batch = sched.build_batch(plan, self.config.device)
@@ -281,7 +355,17 @@ class EngineLoop:
             "cache": tree,
             "views": self.kv.views.stats() if self.kv.views is not None else None,
             "tiers": self.tiers.snapshot() if self.tiers is not None else None,
+            "pins": self._pins_stats(),
         }
+
+    def _pins_stats(self) -> dict:
+        """Pins, TTLs, hints and sessions: pages under each class and every entry (the
+        listing is copied in one call: a snapshot from another thread reads it safely)."""
+        reg, now = self.kv.pinned, time.monotonic()
+        entries = list(reg.entries.values())
+        return {"pinned_pages": reg.pinned_pages, "max_pinned_pages": self.kv.max_pinned_pages,
+                "hinted_pages": reg.hinted_pages, "hints_used": reg.used, "hints_dropped": reg.dropped,
+                "expired": reg.expired, "entries": [e.info().describe(now) for e in entries]}  # fmt: skip
 
     def _check(self) -> None:
         self.kv.check(self.scheduler.owners())

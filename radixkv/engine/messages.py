@@ -11,6 +11,7 @@ process with the queues replaced by a pipe.
     generate / stream  ->  AddRequests(NewRequest...)  ->  scheduler.add
     abort / close      ->  Abort | AbortAll | Close     ->  end requests
     stats / flush      ->  Query(what, qid)             ->  run it between steps
+    hint / unpin       ->  Hint | Unpin (qid)           ->  KVCacheManager.hint / unpin, end_session
                        <-  StreamChunk                  <-  output processing, per token
                        <-  Finished                     <-  a completion ended
                        <-  QueryDone(qid, ...)          <-  the query's answer
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixkv.cache.pins import PinInfo
 from radixkv.engine.constrain import Constraint
-from radixkv.engine.request import CompletionOutput, StreamChunk
+from radixkv.engine.request import CacheControl, CompletionOutput, StreamChunk
 from radixkv.engine.sampling import SamplingParams
 
 # -- client -> loop ----------------------------------------------------------------------------
@@ -31,7 +33,8 @@ from radixkv.engine.sampling import SamplingParams
 class NewRequest:
     """One completion to generate: the ``index``-th of request ``rid``. ``prompt_ids``
     are checked already; ``constraint`` is compiled already (off the loop), one per
-    completion; ``stream``: send a StreamChunk per new text."""
+    completion; ``stream``: send a StreamChunk per new text; ``cache_control``: what it
+    keeps cached when it ends; ``session_id``: its session (radixkv.cache.pins)."""
 
     rid: str
     index: int
@@ -41,6 +44,8 @@ class NewRequest:
     constraint: Constraint | None
     stream: bool
     arrival_time: float
+    cache_control: tuple[CacheControl, ...] = ()
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,30 @@ class Query:
     qid: int
 
 
-Command = AddRequests | Abort | AbortAll | Close | Query
+@dataclass(frozen=True)
+class Hint:
+    """Protect what is cached of ``tokens`` as a hint (KVCacheManager.hint); the answer is
+    its PinInfo, or None when nothing of it is cached. ``ttl`` None: the engine's hint_ttl."""
+
+    qid: int
+    tokens: tuple[int, ...]
+    namespace: str | None
+    ttl: float | None
+    uses: int
+    session_id: str | None
+
+
+@dataclass(frozen=True)
+class Unpin:
+    """Release the entry ``pin_id`` (answer: whether there was one), or every entry of
+    ``session_id`` (answer: how many)."""
+
+    qid: int
+    pin_id: str | None = None
+    session_id: str | None = None
+
+
+Command = AddRequests | Abort | AbortAll | Close | Query | Hint | Unpin
 
 # -- loop -> client ----------------------------------------------------------------------------
 
@@ -91,6 +119,7 @@ class Finished:
     arrival_time: float
     token_times: tuple[float, ...]
     finish_time: float
+    pin: PinInfo | None = None
 
 
 @dataclass(frozen=True)

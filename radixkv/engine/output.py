@@ -162,7 +162,7 @@ class OutputProcessor:
             req.rid, req.index, completion, len(req.prompt_ids), req.kv.cached_tokens or 0,
             req.prompt_logprobs if params.prompt_logprobs_from is not None else None,
             req.error, req.error_param if req.error else None, req.arrival_time, tuple(req.token_times),
-            time.perf_counter(),
+            time.perf_counter(), req.pin,
         ))  # fmt: skip
 
 

@@ -7,10 +7,14 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from radixkv.cache.capture import MAX_SESSION_CHARS
 from radixkv.cache.manager import SeqKV
+from radixkv.cache.pins import MAX_TTL, PinInfo
 from radixkv.engine.constrain import Constraint
 from radixkv.engine.sampling import SamplerState, SamplingParams
+from radixkv.errors import FieldError
 from radixkv.model.tokenizer import IncrementalDetokenizer
+from radixkv.validate import check_bool, check_float, check_int, check_optional_int
 
 _ids = itertools.count()
 
@@ -53,6 +57,13 @@ class Request:
     stream: bool = False  # send a StreamChunk per new text (see output.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # perf_counter when each output token was sampled
+    # what the request leaves protected in the cache when it ends (radixkv.cache.pins): its
+    # CacheControl entries, their claims on the pin cap, the pin it made; its session's entry
+    cache_control: tuple[CacheControl, ...] = ()
+    claims: dict = field(default_factory=dict)  # cache_control index -> PendingPin
+    pin: PinInfo | None = None
+    session_id: str | None = None
+    rank: tuple[int, int] | None = None  # (its program's birth, its admission): set at its first admission
 
     def __post_init__(self):
         if not self.tokens:
@@ -61,6 +72,35 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class CacheControl:
+    """What a request keeps in the prefix cache when it ends (radixkv.cache.pins): the
+    whole pages of its first ``upto`` prompt tokens (None: the whole prompt), pinned
+    (``ttl`` None: until unpinned; else for ``ttl`` seconds), or with ``hint`` protected
+    as advice until ``uses`` requests continue it, or for ``ttl`` seconds (None: the
+    engine's ``hint_ttl``). Raises FieldError naming the field."""
+
+    ttl: float | None = None
+    upto: int | None = None
+    hint: bool = False
+    uses: int = 1
+
+    def __post_init__(self):
+        check_bool("cache_control.hint", self.hint)
+        if self.ttl is not None:
+            check_float("cache_control.ttl", self.ttl, 0.0, MAX_TTL, lo_open=True)
+        check_optional_int("cache_control.upto", self.upto, 1)
+        check_int("cache_control.uses", self.uses, 1, 1 << 20)
+
+
+def check_session_id(session_id) -> str | None:
+    """``session_id`` when None or a string of 1 to MAX_SESSION_CHARS characters, else FieldError."""
+    if session_id is not None and (not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_CHARS):
+        raise FieldError("session_id", f"session_id must be a string of 1 to {MAX_SESSION_CHARS} characters, got "
+                                       f"{session_id!r:.80}")  # fmt: skip
+    return session_id
 
 
 @dataclass(frozen=True)
@@ -98,6 +138,7 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     error_param: str | None = None  # set when the error is the request's own (e.g. "regex"), not a fault
+    pin: PinInfo | None = None  # the entry its CacheControl pinned (the first completion's), if any
 
     @property
     def text(self) -> str:

@@ -12,6 +12,15 @@ first, then the running request of the lowest priority (the most recently admitt
 among equals) is preempted: its computed pages
 go into the tree (so its recompute is mostly a cache hit) and it waits again.
 
+Hints and sessions (radixkv.cache.pins) are advice, ranked by their program's age: an
+admission never breaks one while requests run (a request that would need their pages
+waits); a running request's growth gives up younger programs' advice, then preempts
+younger requests, and only the first-ranked request may take anything (``_make_room``);
+with nothing running, a waiting request that only advice keeps out waits ``hint_hold``
+seconds (the advice's programs are about to come back), then the advice gives way, so
+it never stalls the engine for long. An admitted request uses the hints its cached
+prefix reaches, and replaces its session's entry. Pins and TTLs never give way.
+
 Cache lifecycle of a request (``KVCacheManager`` runs it):
 
     admit:   match prefix -> lock node (its pages are read under the lock)
@@ -23,6 +32,8 @@ Cache lifecycle of a request (``KVCacheManager`` runs it):
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -50,7 +61,8 @@ class Scheduler:
     ``KVCacheManager``): every page and lock a request holds is taken and given back
     there."""
 
-    def __init__(self, kv: KVCacheManager, max_batch_tokens: int, max_running: int, chunk_size: int | None):
+    def __init__(self, kv: KVCacheManager, max_batch_tokens: int, max_running: int, chunk_size: int | None,
+                 hint_hold: float = 0.0):  # fmt: skip
         self.kv = kv
         self.page_size = kv.page_size
         self.max_batch_tokens = max_batch_tokens
@@ -60,6 +72,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.stopped: list[Request] = []  # finished by the scheduler itself; the engine reports them
         self.preemptions = 0
+        self._admissions = itertools.count()
+        self.hint_hold = hint_hold
+        self._stalled: float | None = None  # when the engine went idle with work only advice kept out
+        self.holding = False  # this step admitted nothing on purpose: the loop may wait for commands
 
     # -- queue -------------------------------------------------------------------
 
@@ -85,13 +101,14 @@ class Scheduler:
         """Choose this step's work and give every chosen sequence the pages it needs."""
         budget = self.max_batch_tokens
         plan: list[ScheduledSeq] = []
+        self.holding = False
         for req in list(self.running):  # oldest first: preemption takes from the end
             if budget <= 0:
                 break
             if req not in self.running:  # preempted while making room for an older one
                 continue
             count = self._chunk(req, budget)
-            if self.kv.reserve(req.kv, count, lambda req=req: self._preempt_one(req, plan)):
+            if self.kv.reserve(req.kv, count, lambda req=req: self._make_room(req, plan)):
                 plan.append(ScheduledSeq(req, req.kv.computed, count))
                 budget -= count
             elif len(self.running) == 1:  # alone and still no room: the pool is too small for it
@@ -100,9 +117,20 @@ class Scheduler:
                 self.stopped.append(req)
         if budget > 0:
             self._admit(plan, budget)
+            if not self.running and self.waiting and self.kv.pinned.has_soft():
+                # idle with work waiting that only advice keeps out: hold for hint_hold seconds
+                # (its programs are about to come back), then the advice gives way
+                now = time.monotonic()
+                self._stalled = now if self._stalled is None else self._stalled
+                if now - self._stalled >= self.hint_hold:
+                    self._admit(plan, budget, self.kv.drop_hint)
+                else:
+                    self.holding = True
+        if self.running or not self.waiting:
+            self._stalled = None
         return plan
 
-    def _admit(self, plan: list[ScheduledSeq], budget: int) -> None:
+    def _admit(self, plan: list[ScheduledSeq], budget: int, make_room=None) -> None:
         order = list(self.waiting)
         cached: dict[int, int] = {}
         if self.kv.tree is not None and len(order) <= CACHE_AWARE_QUEUE_LIMIT:
@@ -120,9 +148,12 @@ class Scheduler:
                     continue  # computed by an earlier admission this step; hit the cache next step
             self.kv.admit(req.kv, req.tokens, req.params.prompt_logprobs_from)
             count = self._chunk(req, budget)
-            if not self.kv.reserve(req.kv, count):
+            if not self.kv.reserve(req.kv, count, make_room):
                 self.kv.release(req.kv, req.tokens)
                 break
+            self.kv.use_hints(req.kv, req.session_id)
+            if req.rank is None:  # its program's place in time, kept across preemptions
+                req.rank = (self.kv.pinned.birth(req.session_id), next(self._admissions))
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append(req)
@@ -146,6 +177,35 @@ class Scheduler:
             return False
         mine = req.tokens[:end]
         return any(o.kv.namespace == req.kv.namespace and o.tokens[:end] == mine for o in admitted)
+
+    def _make_room(self, req: Request, plan: list[ScheduledSeq]) -> bool:
+        """Memory for a running request's growth once no unlocked page is left. Without
+        hints or sessions: preempt (``_preempt_one``). With them, programs rank by
+        priority, then age (``Request.rank``: when the request's session, else the
+        request, was first seen): ``req`` may give up the advice of younger programs,
+        then preempt a younger request; the first-ranked running request may give up any
+        advice (so the engine always progresses); any other waits for this step, holding
+        what it has, while older programs run on:
+
+            give way, in order:  younger programs' hints and sessions -> younger requests
+                                 -> (first-ranked only) any hint -> any request
+        """
+        if not self.kv.pinned.has_soft():
+            return self._preempt_one(req, plan)
+        mine = self._rank(req)
+        if self.kv.drop_hint(younger_than=req.rank[0]):
+            return True
+        younger = [o for o in self.running if o is not req and self._rank(o) > mine]
+        if younger:
+            self.preempt(max(younger, key=self._rank), plan)
+            return True
+        if all(self._rank(o) > mine for o in self.running if o is not req):
+            return self.kv.drop_hint() or self._preempt_one(req, plan)
+        return False
+
+    @staticmethod
+    def _rank(req: Request) -> tuple:
+        return (-req.params.priority, *req.rank)
 
     def _preempt_one(self, req: Request, plan: list[ScheduledSeq]) -> bool:
         """Make room for ``req`` by preempting the other running request of the lowest

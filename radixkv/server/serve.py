@@ -39,6 +39,13 @@ HELP = {
                       "itself (maxmemory, allkeys-lru)",
     "kv_store_write": "back: store pages as they leave the tiers above (eviction); through: as the tree takes them "
                       "(another process or a restart finds them at once)",
+    "max_pinned_share": "the share of the KV pool that pins and TTLs (/pin, cache_control) may hold; a pin past it "
+                        "is refused with an error naming the limit",
+    "hint_ttl": "seconds a hint (a program's fork or next step) protects its prefix unless a request uses it first",
+    "session_ttl": "seconds a finished request with a session_id keeps its prefix protected for the session's next "
+                   "request (advice: given up under memory pressure)",
+    "hint_hold": "seconds an idle engine keeps a waiting request out rather than give up hints and sessions whose "
+                 "programs are about to come back; then they give way",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
