@@ -99,6 +99,7 @@ class SeqKV:
     computed: int = 0
     published: int = 0
     cached_tokens: int | None = None
+    prompt_len: int | None = None  # tokens at the first admission: where generated text begins
     policy: KVPolicySpec | None = None
     view: View | None = None
     dropped: int = 0
@@ -191,6 +192,8 @@ class KVCacheManager:
         """
         if len(seq.pages) or seq.node is not None or seq.view is not None:
             raise ValueError("admit takes an empty sequence (fresh, or released)")
+        if seq.prompt_len is None:
+            seq.prompt_len = len(tokens)
         if seq.policy is not None and self.tree is not None and len(tokens) >= 2:
             return self._admit_compressed(seq, tokens, recompute_from)
         if self.tree is None or len(tokens) < 2:
@@ -841,7 +844,9 @@ class KVCacheManager:
         ps, offset = self.page_size, seq.offset
         vp = 0 if seq.view is None else len(seq.view.pages)
         pages = seq.pages[vp:]  # the namespace's part of the table
-        inserted = self.tree.insert(tokens[offset:whole], pages, seq.tree_namespace, seq.priority, adopt=True)
+        generated = None if seq.prompt_len is None else seq.prompt_len - offset
+        inserted = self.tree.insert(tokens[offset:whole], pages, seq.tree_namespace, seq.priority, adopt=True,
+                                    generated_from=generated)  # fmt: skip
         own, cached = (seq.published - offset) // ps, inserted.num_cached // ps
         if self.tiers is not None and seq.view is None:
             self.tiers.published(tokens, seq.namespace, seq.pages, max(own, cached), whole // ps)
