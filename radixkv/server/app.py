@@ -9,6 +9,9 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     POST /generate              native: text or input_ids, SamplingParams by name
     POST /flush_cache           empty the prefix cache: pool and host tier; ?tiers=device|host|store|all
                                 (409 while requests run)
+    POST /pin                   keep a prompt's pages cached: pinned (until /unpin), for a ttl, or as a
+                                hint (radixkv.cache.pins); 400 past --max-pinned-share
+    POST /unpin                 release a pin (or hint) by id, or every entry of a session_id
     GET  /metrics               Prometheus text format
     GET  /health                200 while the engine thread lives
     GET  /stats                 Engine.stats() as JSON
@@ -19,6 +22,12 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     POST /detokenize            token ids -> text (vLLM's body)
     POST /render_chat           messages -> the chat template's text and the prompt's token ids
     GET  /openapi.json          an OpenAPI 3.1 document of these routes, from protocol's Structs
+
+Prompt caching: ``cache_control`` ({"type": "ephemeral", "ttl": "5m" | "1h"}) on a chat
+message keeps the prompt through the end of that message cached for the ttl (where the
+chat template's rendering of the messages up to it ends, its end marker included); at the
+top of a request, the whole prompt. ``session_id`` (every generation route) keeps a
+finished request's whole prefix protected for the session's next request.
 
 With ``allowed_origins`` set (CORS), a browser's preflight (OPTIONS) is answered without
 the key, and responses to an allowed origin carry Access-Control-Allow-Origin.
@@ -47,8 +56,9 @@ import msgspec
 
 from radixkv.cache.capture import MAX_SESSION_CHARS, SESSION, SESSION_HEADER, TraceWriter
 from radixkv.cache.manager import check_flush_tiers
+from radixkv.cache.pins import MAX_TTL, PinInfo
 from radixkv.engine.engine import Engine, RequestStream
-from radixkv.engine.request import RequestOutput, StreamChunk
+from radixkv.engine.request import CacheControl, RequestOutput, StreamChunk
 from radixkv.engine.constrain import KINDS as GRAMMAR_FIELDS
 from radixkv.engine.sampling import MAX_N
 from radixkv.errors import FieldError, IntegrityError
@@ -276,6 +286,8 @@ class Server:
             ("GET", "/v1/models"): self.models,
             ("POST", "/generate"): self.generate,
             ("POST", "/flush_cache"): self.flush_cache,
+            ("POST", "/pin"): self.pin,
+            ("POST", "/unpin"): self.unpin,
             ("GET", "/metrics"): self.prometheus,
             ("GET", "/health"): self.health,
             ("GET", "/stats"): self.stats,
@@ -539,11 +551,13 @@ class Server:
             raise P.ApiError(400, str(e), names.get(e.field, e.field)) from None
         return [first] + [first.copy() for _ in range(count - 1)]
 
-    def _render(self, req, add_generation_prompt: bool, ids: bool = False, tools: ToolSpec | None = None):
+    def _render(self, req, add_generation_prompt: bool, ids: bool = False, tools: ToolSpec | None = None,
+                count: int | None = None):  # fmt: skip
         """The chat's text, or with ``ids`` its prompt ids, in which special-token text from
         the messages stays plain text unless ``req.special_tokens_in_content``. The tools
-        go to a template with a tool format, else into the messages (tools.py)."""
-        messages = P.chat_messages(req)
+        go to a template with a tool format, else into the messages (tools.py).
+        ``count``: only the first ``count`` messages."""
+        messages = P.chat_messages(req)[:count]
         if tools is None and req.tools:  # /render_chat, /tokenize: the tools as a chat request would send them
             tools = tool_spec(req.tools, None, None)
         extra = {}
@@ -560,9 +574,12 @@ class Server:
         except Exception as e:  # the template's own checks (roles, order) or a missing template
             raise P.ApiError(400, f"messages cannot be rendered with the chat template: {e}", "messages") from None
 
-    def _check_output(self, out: RequestOutput) -> None:
+    def _check_output(self, out: RequestOutput, names: dict[str, str] | None = None) -> None:
+        """A failed request's answer: a 400 naming the field when it was the request's own
+        doing (``names`` maps the engine's field names to the route's), else 500 or 503."""
         if out.error is not None and out.error_param is not None:  # the request's own doing
-            raise P.ApiError(400, out.error, out.error_param)
+            param = (names or {}).get(out.error_param, out.error_param)
+            raise P.ApiError(400, out.error.replace(out.error_param, param, 1), param)
         if out.error is not None:
             raise P.ApiError(500, f"generation failed: {out.error}", type="internal_error")
         if any(o.finish_reason == "abort" for o in out.outputs):
@@ -599,14 +616,18 @@ class Server:
         params = await self._params(fields, P.OPENAI_NAMES)
         self._check_policy(params, ids)
         ns = self._namespace(http, req.cache_salt)
+        keep = {"session_id": self._session(req.session_id)}
+        if req.cache_control is not None:  # the whole prompt
+            keep["cache_control"] = CacheControl(P.cache_ttl(req.cache_control, "cache_control"))
         cons = await self._constraints(params, len(ids))
         echo = [self.engine.decode(i) if req.echo else "" for i in ids]
         rid, created = self._ids()
         rid = "cmpl-" + rid
         self._log_user(rid, req)
         if req.stream:
-            return await self._stream_completions(http, req, ids, params, ns, echo, rid, created, cons)
-        outs = await http.run(asyncio.gather(*(self.engine.generate_async(i, params, ns, c) for i, c in zip(ids, cons))))
+            return await self._stream_completions(http, req, ids, params, ns, echo, rid, created, cons, keep)
+        outs = await http.run(asyncio.gather(*(self.engine.generate_async(i, params, ns, c, **keep)
+                                               for i, c in zip(ids, cons))))  # fmt: skip
         for out in outs:
             self.metrics.finished("/v1/completions", out, ns)
             self._check_output(out)
@@ -660,8 +681,8 @@ class Server:
             tops = [None if v is None else {t: v} for t, v in zip(tokens, prompt_lps)] + lp.top_logprobs
         return P.CompletionLogprobs(tokens + lp.tokens, list(prompt_lps) + lp.token_logprobs, tops, offsets + lp.text_offset)
 
-    async def _stream_completions(self, http, req, ids, params, ns, echo, rid, created, cons) -> None:
-        streams = [self.engine.open_stream(i, params, ns, c) for i, c in zip(ids, cons)]
+    async def _stream_completions(self, http, req, ids, params, ns, echo, rid, created, cons, keep) -> None:
+        streams = [self.engine.open_stream(i, params, ns, c, **keep) for i, c in zip(ids, cons)]
 
         async def pump():
             await http.start_sse()
@@ -719,14 +740,16 @@ class Server:
         params = await self._params(fields, names)
         self._check_policy(params, [ids])
         ns = self._namespace(http, req.cache_salt)
+        keep = {"cache_control": await self._chat_cache_control(req, ids, tools),
+                "session_id": self._session(req.session_id)}  # fmt: skip
         (constraint,) = await self._constraints(params, 1, names)
         rid, created = self._ids()
         rid = "chatcmpl-" + rid
         self._log_user(rid, req)
         calling = tools is not None and tools.active
         if req.stream:
-            return await self._stream_chat(http, req, ids, params, ns, rid, created, constraint, calling)
-        out = await http.run(self.engine.generate_async(ids, params, ns, constraint))
+            return await self._stream_chat(http, req, ids, params, ns, rid, created, constraint, calling, keep)
+        out = await http.run(self.engine.generate_async(ids, params, ns, constraint, **keep))
         self.metrics.finished("/v1/chat/completions", out, ns)
         self._check_output(out)
         choices = []
@@ -741,6 +764,36 @@ class Server:
             choices.append(P.ChatChoice(j, P.AssistantMessage(content, "assistant", calls), lp, reason))
         body = P.ChatCompletionResponse(rid, created, self.model_name, choices, _usage([out]))
         await http.send(200, P.encode(body))
+
+    async def _chat_cache_control(self, req, ids: list[int], tools) -> tuple[CacheControl, ...]:
+        """The chat's ``cache_control`` markers as CacheControls. A message's marker (or one
+        on a text part of it) covers the prompt through the end of that message: the
+        prompt ids of the messages up to it as the template renders them without a
+        generation prompt (its end marker included), cut where they stop agreeing with
+        the whole prompt's; a marker at the top of the request covers the whole prompt.
+        A 400 naming the marker for a bad one, or for more than MAX_CACHE_BREAKPOINTS."""
+        marks: list[tuple[int | None, float]] = []
+        for i, m in enumerate(req.messages):
+            cc, param = m.cache_control, f"messages[{i}].cache_control"
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.cache_control is not None:
+                    cc, param = part.cache_control, f"messages[{i}].content[{j}].cache_control"
+            if cc is not None:
+                marks.append((i, P.cache_ttl(cc, param)))
+        if req.cache_control is not None:
+            marks.append((None, P.cache_ttl(req.cache_control, "cache_control")))
+        if len(marks) > P.MAX_CACHE_BREAKPOINTS:
+            raise P.ApiError(400, f"{len(marks)} cache_control markers; at most {P.MAX_CACHE_BREAKPOINTS} per request",
+                             "cache_control")  # fmt: skip
+        out = []
+        for i, ttl in marks:
+            upto = len(ids)
+            if i is not None:
+                prefix = await asyncio.to_thread(self._render, req, False, True, tools, i + 1)
+                upto = next((k for k, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+            if upto:
+                out.append(CacheControl(ttl=ttl, upto=upto))
+        return tuple(out)
 
     @staticmethod
     async def _params(fields: dict, names: dict | None = None, prefix: str = ""):
@@ -804,8 +857,9 @@ class Server:
             content.append(P.TokenLogprob(text, lp, list(text.encode()), top))
         return P.ChatLogprobs(content)
 
-    async def _stream_chat(self, http, req, ids, params, ns, rid, created, constraint, calling=False) -> None:
-        stream = self.engine.open_stream(ids, params, ns, constraint)
+    async def _stream_chat(self, http, req, ids, params, ns, rid, created, constraint, calling=False,
+                           keep=None) -> None:  # fmt: skip
+        stream = self.engine.open_stream(ids, params, ns, constraint, **(keep or {}))
         splitters = [ToolStream() for _ in range(params.n)] if calling else None
 
         def chunk(choices, usage=None):
@@ -861,9 +915,10 @@ class Server:
         self._check_fanout(1, params.n)
         self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens", params.kv_rerotate)
         ns = self._namespace(http, req.cache_salt)
+        keep, session = self._pin_option(req.pin) + self._hint_option(req.hint), self._session(req.session_id)
         (constraint,) = await self._constraints(params, 1)
         if req.stream:
-            stream = self.engine.open_stream(ids, params, ns, constraint)
+            stream = self.engine.open_stream(ids, params, ns, constraint, cache_control=keep, session_id=session)
 
             async def pump():
                 await http.start_sse()
@@ -872,7 +927,7 @@ class Server:
                 out = stream.output
                 self.metrics.finished("/generate", out, ns)
                 try:
-                    self._check_output(out)
+                    self._check_output(out, {"cache_control": "pin"})
                 except P.ApiError as e:
                     return await http.error(e)
                 await http.event(P.encode(self._generate_body(out)))
@@ -880,10 +935,87 @@ class Server:
                 await http.end()
 
             return await http.run(pump())
-        out = await http.run(self.engine.generate_async(ids, params, ns, constraint))
+        out = await http.run(self.engine.generate_async(ids, params, ns, constraint, cache_control=keep,
+                                                        session_id=session))  # fmt: skip
         self.metrics.finished("/generate", out, ns)
-        self._check_output(out)
+        self._check_output(out, {"cache_control": "pin"})
         await http.send(200, P.encode(self._generate_body(out)))
+
+    @staticmethod
+    def _pin_option(pin) -> tuple[CacheControl, ...]:
+        """``/generate``'s ``pin`` as the engine's CacheControl; a 400 naming pin.ttl or pin.tokens."""
+        if pin is False:
+            return ()
+        if pin is True:
+            return (CacheControl(),)
+        if pin.ttl is not None and not 0 < pin.ttl <= MAX_TTL:
+            raise P.ApiError(400, f"pin.ttl must be seconds in (0, {MAX_TTL:g}] or null, got {pin.ttl!r}", "pin.ttl")
+        if pin.tokens is not None and pin.tokens < 1:
+            raise P.ApiError(400, f"pin.tokens must be >= 1 or null, got {pin.tokens!r}", "pin.tokens")
+        return (CacheControl(ttl=pin.ttl, upto=pin.tokens),)
+
+    @staticmethod
+    def _hint_option(hint) -> tuple[CacheControl, ...]:
+        """``/generate``'s ``hint`` as the engine's CacheControl; a 400 naming hint.uses or hint.ttl."""
+        if hint is None:
+            return ()
+        try:
+            return (CacheControl(ttl=hint.ttl, hint=True, uses=hint.uses),)
+        except FieldError as e:
+            param = e.field.replace("cache_control", "hint")
+            raise P.ApiError(400, str(e).replace(e.field, param, 1), param) from None
+
+    @staticmethod
+    def _session(session_id: str | None) -> str | None:
+        """The request's cache session (checked). A trace's session stays the X-Session-Id
+        header's (a program's forks share one there, each branch has its own here)."""
+        return P.check_session(session_id)
+
+    @staticmethod
+    def _pin_body(info: PinInfo | None) -> P.PinResponse | None:
+        if info is None:
+            return None
+        return P.PinResponse(info.id, info.kind, info.tokens, info.pages, info.expires_in(time.monotonic()), info.uses)
+
+    async def pin(self, http: Http) -> None:
+        """POST /pin: pin a prompt (what is not cached is computed first), or with ``hint``
+        protect what is cached of it as advice. Past the pin cap: a 400 naming the prompt's
+        field, whose message names the cap (--max-pinned-share)."""
+        req = await http.json(P.PinRequest)
+        if (req.text is None) == (req.input_ids is None):
+            raise P.ApiError(400, "give exactly one of text and input_ids", "text")
+        param = "text" if req.text is not None else "input_ids"
+        ids = await self._prompt_ids(req.text if req.text is not None else req.input_ids, param)
+        ns = self._namespace(http, req.cache_salt)
+        P.check_session(req.session_id)
+        if not req.hint and (req.uses != 1 or req.session_id is not None):
+            raise P.ApiError(400, "uses and session_id are for hints (\"hint\": true)", "uses" if req.uses != 1 else
+                             "session_id")  # fmt: skip
+        names = {"pin": param, "prompt": param}
+        try:
+            if req.hint:
+                info = await asyncio.to_thread(self.engine.hint, ids, req.ttl, req.uses, ns, req.session_id)
+            else:
+                info = await asyncio.to_thread(self.engine.pin, ids, req.ttl, ns)
+        except FieldError as e:
+            raise P.ApiError(400, str(e), names.get(e.field, e.field)) from None
+        body = self._pin_body(info) or P.PinResponse(None, None, 0, 0)
+        await http.send(200, P.encode(body))
+
+    async def unpin(self, http: Http) -> None:
+        """POST /unpin: one entry by ``id`` (404 when there is none: unknown, expired or used
+        up), or every entry of ``session_id``."""
+        req = await http.json(P.UnpinRequest)
+        if (req.id is None) == (req.session_id is None):
+            raise P.ApiError(400, "give exactly one of id and session_id", "id")
+        if req.id is not None:
+            if not await asyncio.to_thread(self.engine.unpin, req.id):
+                raise P.ApiError(404, f"no pin {req.id!r} (unknown, expired or used up)", "id", type="not_found_error")
+            count = 1
+        else:
+            P.check_session(req.session_id)
+            count = await asyncio.to_thread(self.engine.end_session, req.session_id)
+        await http.send(200, P.encode(P.UnpinResponse(count)))
 
     def _generate_body(self, out: RequestOutput):
         m = out.metrics
@@ -892,6 +1024,7 @@ class Server:
                 out.rid, out.prompt_tokens, len(o.token_ids), out.cached_tokens, o.finish_reason,
                 o.logprobs, o.top_logprobs, out.prompt_logprobs,
                 None if m is None else m.finish_time - m.arrival_time, None if m is None else m.ttft,
+                self._pin_body(out.pin),
             ))  # fmt: skip
             for o in out.outputs
         ]

@@ -62,6 +62,12 @@ class _EngineCollector:
         yield _gauge("radixkv_num_requests_waiting", "Requests waiting for admission", s["waiting"])
         yield _counter("radixkv_preemptions", "Running requests preempted for memory", s["preemptions"])
         yield _counter("radixkv_engine_steps", "Engine forward steps", s["steps"])
+        pins = s.get("pins")
+        if pins is not None:
+            yield _gauge("radixkv_pinned_pages", "KV pages under pins and TTLs (capped by max_pinned_share)",
+                         pins["pinned_pages"])  # fmt: skip
+            yield _gauge("radixkv_hinted_pages", "KV pages protected by hints and session entries (advisory)",
+                         pins["hinted_pages"])  # fmt: skip
         if cache is not None:
             yield _gauge("radixkv_prefix_cache_pages", "Pages held by the prefix cache", cache["cached_pages"])
             yield _counter("radixkv_prefix_cache_evicted_pages", "Pages evicted from the prefix cache",

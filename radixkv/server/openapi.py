@@ -51,6 +51,12 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/flush_cache"): RouteDoc(
         "Empty the prefix cache (409 while requests run)", response=P.FlushResponse,
         query=(("tiers", "memory (default: pool and host tier), device, host, store or all"),)),
+    ("POST", "/pin"): RouteDoc(
+        "Keep a prompt's pages cached: pinned, for a ttl, or as a hint (400 past --max-pinned-share)", P.PinRequest,
+        P.PinResponse),
+    ("POST", "/unpin"): RouteDoc(
+        "Release a pin or hint by id (404 when unknown), or every entry of a session", P.UnpinRequest,
+        P.UnpinResponse),
     ("GET", "/metrics"): RouteDoc("Prometheus text format", response=str, content_type="text/plain"),
     ("GET", "/health"): RouteDoc("200 while the engine thread lives (never needs the key)", response=P.HealthResponse),
     ("GET", "/stats"): RouteDoc("Engine.stats()", response=dict[str, Any]),

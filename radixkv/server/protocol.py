@@ -8,6 +8,7 @@ the OpenAI API (``/v1/...``) and SGLang's native ``/generate``.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 import msgspec
@@ -43,6 +44,16 @@ class ErrorResponse(Struct):
 
 
 # -- OpenAI requests ---------------------------------------------------------------------
+
+
+class CacheControlParam(Struct, forbid_unknown_fields=True):
+    """Prompt caching's marker (Anthropic's shape): ``{"type": "ephemeral", "ttl": "5m"}``.
+    On a chat message (or one of its text parts) the prompt through the end of that
+    message stays cached for ``ttl``; at the top of a request, the whole prompt. ``ttl``:
+    "5m" (the default), "1h", any "<n>s|m|h", or seconds as a number."""
+
+    type: str
+    ttl: Union[str, int, float, None] = None
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -86,6 +97,10 @@ class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
     kv_budget: Union[int, float, None] = None  # tokens kept, or a ratio in (0, 1)
     kv_compress_at: int | None = None  # prompt tokens compressed once after their prefill
     kv_rerotate: bool | None = None  # positions within the cache: the request may run past the context
+    # radixkv.cache.pins: a TTL for the whole prompt (chat messages take their own), and the
+    # session whose next request this one's prefix stays protected for
+    cache_control: CacheControlParam | None = None
+    session_id: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -107,6 +122,7 @@ class ResponseFormat(Struct, forbid_unknown_fields=True):
 class TextPart(Struct):
     type: str
     text: str | None = None
+    cache_control: CacheControlParam | None = None  # as on its message: through the end of the message
 
 
 class ChatMessage(Struct):
@@ -115,6 +131,7 @@ class ChatMessage(Struct):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    cache_control: CacheControlParam | None = None  # the prompt through this message stays cached for its ttl
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -205,6 +222,36 @@ def chat_messages(req: ChatCompletionRequest | RenderChatRequest) -> list[dict]:
                 msg[key] = getattr(m, key)
         out.append(msg)
     return out
+
+
+MAX_CACHE_BREAKPOINTS = 4  # cache_control markers one request may carry (as Anthropic's API)
+_TTL_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def cache_ttl(cc: CacheControlParam, param: str) -> float:
+    """The seconds a ``cache_control`` marker keeps its prefix; a 400 naming ``param``
+    (``messages[2].cache_control``) for a type other than "ephemeral" or a bad ttl."""
+    from radixkv.cache.pins import MAX_TTL
+
+    if cc.type != "ephemeral":
+        raise ApiError(400, f'{param}.type must be "ephemeral", got {cc.type!r}', f"{param}.type")
+    ttl = cc.ttl if cc.ttl is not None else "5m"
+    seconds = None
+    if isinstance(ttl, str):
+        m = re.fullmatch(r"(\d+)([smh])", ttl.strip())
+        seconds = int(m[1]) * _TTL_UNITS[m[2]] if m else None
+    elif not isinstance(ttl, bool):
+        seconds = float(ttl)
+    if seconds is None or not 0 < seconds <= MAX_TTL:
+        raise ApiError(400, f'{param}.ttl must be "5m", "1h", "<n>s|m|h" or seconds, more than 0 and at most '
+                            f"{MAX_TTL:g}, got {ttl!r}", f"{param}.ttl")  # fmt: skip
+    return float(seconds)
+
+
+def check_session(session_id: str | None, param: str = "session_id") -> str | None:
+    if session_id is not None and not 0 < len(session_id) <= MAX_SALT_CHARS:
+        raise ApiError(400, f"{param} must be 1 to {MAX_SALT_CHARS} characters, got {len(session_id)}", param)
+    return session_id
 
 
 def prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -414,14 +461,76 @@ class ModelList(Struct):
 # -- native /generate ------------------------------------------------------------------------
 
 
+class PinOption(Struct, forbid_unknown_fields=True):
+    """``/generate``'s ``pin``: the whole pages of the first ``tokens`` prompt tokens (all
+    of them when null) stay cached, for ``ttl`` seconds (null: until /unpin)."""
+
+    ttl: float | None = None
+    tokens: int | None = None
+
+
+class HintOption(Struct, forbid_unknown_fields=True):
+    """``/generate``'s ``hint``: the prompt stays protected (advice) until ``uses``
+    requests continue it, or ``ttl`` seconds (null: the server's hint_ttl) pass; what a
+    program's fork sends with its shared prefix."""
+
+    uses: int = 1
+    ttl: float | None = None
+
+
 class GenerateRequest(Struct, forbid_unknown_fields=True):
-    """SGLang-style: ``text`` or ``input_ids``, and SamplingParams' own fields by name."""
+    """SGLang-style: ``text`` or ``input_ids``, and SamplingParams' own fields by name;
+    ``pin`` (true, or {ttl, tokens}) keeps the prompt cached after the request (the answer's
+    ``meta_info.pin`` has its id), ``hint`` protects it for the requests that continue it,
+    ``session_id`` keeps the request's whole prefix for the session's next request."""
 
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: dict[str, Any] = {}
     stream: bool = False
     cache_salt: str | None = None
+    pin: Union[bool, PinOption] = False
+    hint: HintOption | None = None
+    session_id: str | None = None
+
+
+class PinRequest(Struct, forbid_unknown_fields=True):
+    """``/pin``: ``text`` or ``input_ids``; computes what is not cached, then pins its
+    whole pages (``ttl`` seconds, null: until /unpin). With ``hint``: computes nothing and
+    protects what is cached until ``uses`` requests continue it or ``ttl`` (default the
+    server's hint_ttl) passes, as advice; ``session_id`` owns the hint."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    ttl: float | None = None
+    hint: bool = False
+    uses: int = 1
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
+class PinResponse(Struct):
+    """The entry: ``id`` for /unpin (null: a hint found nothing cached), ``kind`` pin |
+    ttl | hint | session, the ``tokens`` and ``pages`` it keeps, ``expires_in`` seconds
+    (null: never)."""
+
+    id: str | None
+    kind: str | None
+    tokens: int
+    pages: int
+    expires_in: float | None = None
+    uses: int | None = None
+
+
+class UnpinRequest(Struct, forbid_unknown_fields=True):
+    """``/unpin``: one entry by ``id``, or every entry of ``session_id``."""
+
+    id: str | None = None
+    session_id: str | None = None
+
+
+class UnpinResponse(Struct):
+    unpinned: int  # entries released (0: none by that id or session)
 
 
 class GenerateMeta(Struct):
@@ -435,6 +544,7 @@ class GenerateMeta(Struct):
     prompt_logprobs: list[float | None] | None = None
     e2e_latency: float | None = None
     ttft: float | None = None
+    pin: PinResponse | None = None  # with "pin": the entry it made
 
 
 class GenerateResponse(Struct):

@@ -47,7 +47,7 @@ HELP = {
     "hint_hold": "seconds an idle engine keeps a waiting request out rather than give up hints and sessions whose "
                  "programs are about to come back; then they give way",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
-    "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority",
+    "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority, cost (cost-aware, learned online)",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
     "chunked_prefill_size": "longest prefill chunk in tokens; 0 prefills whole prompts",
     "max_batch_tokens": "token budget of one engine step (prefill chunks + decodes)",
