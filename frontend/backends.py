@@ -9,6 +9,12 @@ the runtime caches is exactly what the program built.
 ``OpenAIBackend`` is the exception (``token_level = False``): it speaks the OpenAI API,
 so it sends text, either the program's messages to /chat/completions or its text to
 /completions, and the server tokenizes.
+
+Backends with ``hints`` (EngineBackend and RuntimeEndpoint, unless built with
+``hints=False``) also take a program's structure as cache advice (radixkv.cache.pins): a
+``session_id`` on each generation (its prefix stays protected for the program's next
+step), ``hint_uses`` on a fork's prefix request, ``hint``, ``end_session``, ``pin`` and
+``unpin``.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class Backend:
     eos_token_ids: frozenset[int]
     max_context: int
     token_level: bool = True
+    hints: bool = False  # takes session_id / hint_uses, hint, end_session, pin, unpin (radixkv.cache.pins)
 
     def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token text in it is the special token, or with
@@ -91,20 +98,42 @@ class Backend:
         """Deltas as they come, then the CallResult."""
         raise NotImplementedError
 
+    # With ``hints``, ``generate`` and ``stream`` also take ``session_id`` (when the request
+    # ends its whole prefix stays protected until the session's next request) and
+    # ``hint_uses`` (its prompt stays protected until that many requests continue it).
+
+    def hint(self, prompt: list[int], uses: int = 1, ttl: float | None = None,
+             session_id: str | None = None) -> None:  # fmt: skip
+        """Protect what the runtime has cached of ``prompt`` until ``uses`` requests
+        continue it (or ``ttl`` seconds, or ``end_session``)."""
+
+    def end_session(self, session_id: str) -> None:
+        """Release what ``session_id`` protects (its program has ended)."""
+
+    def pin(self, prompt: list[int], ttl: float | None = None) -> str:
+        """Pin ``prompt``'s pages in the runtime's cache (computing what is missing);
+        returns the pin's id for ``unpin``."""
+        raise BackendError(f"{type(self).__name__} cannot pin prefixes")
+
+    def unpin(self, pin_id: str) -> bool:
+        raise BackendError(f"{type(self).__name__} cannot pin prefixes")
+
     def close(self) -> None:
         pass
 
 
 class EngineBackend(Backend):
     """An in-process ``radixkv.Engine``: ``EngineBackend(engine)`` or
-    ``EngineBackend(**engine_settings)`` (then the backend owns and closes it)."""
+    ``EngineBackend(**engine_settings)`` (then the backend owns and closes it).
+    ``hints=False``: programs send no cache advice (sessions, fork hints)."""
 
-    def __init__(self, engine=None, namespace: str | None = None, **settings):
+    def __init__(self, engine=None, namespace: str | None = None, hints: bool = True, **settings):
         from radixkv.engine.engine import Engine
 
         self._owned = engine is None
         self.engine = Engine(**settings) if engine is None else engine
         self.namespace = namespace
+        self.hints = hints
         self.eos_token_ids = self.engine.eos_token_ids
         self.max_context = self.engine.max_context
 
@@ -114,20 +143,23 @@ class EngineBackend(Backend):
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt)
 
-    def generate(self, prompts: list[list[int]], params: dict) -> list[CallResult]:
+    def generate(self, prompts: list[list[int]], params: dict, session_id: str | None = None,
+                 hint_uses: int | None = None) -> list[CallResult]:  # fmt: skip
         from radixkv.engine.sampling import SamplingParams
 
-        outs = self.engine.generate(prompts, SamplingParams(**params), namespace=self.namespace)
+        outs = self.engine.generate(prompts, SamplingParams(**params), namespace=self.namespace,
+                                    **_engine_cache(session_id, hint_uses))  # fmt: skip
         return [_engine_result(o) for o in outs]
 
-    def stream(self, prompt: list[int], params: dict) -> Iterator[Delta | CallResult]:
+    def stream(self, prompt: list[int], params: dict, session_id: str | None = None,
+               hint_uses: int | None = None) -> Iterator[Delta | CallResult]:  # fmt: skip
         from radixkv.engine.sampling import SamplingParams
 
         sp = SamplingParams(**params)
         loop = asyncio.new_event_loop()  # this thread's own loop: the engine posts chunks to it
 
         async def opened():
-            return self.engine.open_stream(prompt, sp, self.namespace)
+            return self.engine.open_stream(prompt, sp, self.namespace, **_engine_cache(session_id, hint_uses))
 
         stream = loop.run_until_complete(opened())
         try:
@@ -142,9 +174,29 @@ class EngineBackend(Backend):
             stream.abort()
             loop.close()
 
+    def hint(self, prompt: list[int], uses: int = 1, ttl: float | None = None, session_id: str | None = None) -> None:
+        self.engine.hint(prompt, ttl, uses, self.namespace, session_id)
+
+    def end_session(self, session_id: str) -> None:
+        self.engine.end_session(session_id)
+
+    def pin(self, prompt: list[int], ttl: float | None = None) -> str:
+        return self.engine.pin(prompt, ttl, self.namespace).id
+
+    def unpin(self, pin_id: str) -> bool:
+        return self.engine.unpin(pin_id)
+
     def close(self) -> None:
         if self._owned:
             self.engine.close()
+
+
+def _engine_cache(session_id: str | None, hint_uses: int | None) -> dict:
+    """Engine.generate's cache keywords for a program's advice."""
+    from radixkv.engine.request import CacheControl
+
+    control = None if hint_uses is None else CacheControl(hint=True, uses=hint_uses)
+    return {"session_id": session_id, "cache_control": control}
 
 
 def _engine_result(out) -> CallResult:
@@ -163,9 +215,10 @@ class RuntimeEndpoint(Backend):
     """
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, cache_salt: str | None = None,
-                 max_parallel: int = 64):  # fmt: skip
+                 max_parallel: int = 64, hints: bool = True):  # fmt: skip
         import httpx
 
+        self.hints = hints
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -199,14 +252,21 @@ class RuntimeEndpoint(Backend):
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         return self._call("POST", "/render_chat", body)["text"]
 
-    def _body(self, prompt: list[int], params: dict, stream: bool = False) -> dict:
+    def _body(self, prompt: list[int], params: dict, stream: bool = False, session_id: str | None = None,
+              hint_uses: int | None = None) -> dict:  # fmt: skip
         body = {"input_ids": prompt, "sampling_params": params, "stream": stream}
         if self.cache_salt is not None:
             body["cache_salt"] = self.cache_salt
+        if session_id is not None:
+            body["session_id"] = session_id
+        if hint_uses is not None:
+            body["hint"] = {"uses": hint_uses}
         return body
 
-    def generate(self, prompts: list[list[int]], params: dict) -> list[CallResult]:
-        futures = [self._pool.submit(self._call, "POST", "/generate", self._body(p, params)) for p in prompts]
+    def generate(self, prompts: list[list[int]], params: dict, session_id: str | None = None,
+                 hint_uses: int | None = None) -> list[CallResult]:  # fmt: skip
+        futures = [self._pool.submit(self._call, "POST", "/generate", self._body(p, params, False, session_id, hint_uses))
+                   for p in prompts]  # fmt: skip
         results = []
         for f in futures:
             body = f.result()
@@ -214,11 +274,13 @@ class RuntimeEndpoint(Backend):
                 results.append(_http_result(b))
         return results
 
-    def stream(self, prompt: list[int], params: dict) -> Iterator[Delta | CallResult]:
+    def stream(self, prompt: list[int], params: dict, session_id: str | None = None,
+               hint_uses: int | None = None) -> Iterator[Delta | CallResult]:  # fmt: skip
         import httpx
 
+        body = self._body(prompt, params, True, session_id, hint_uses)
         try:
-            with self._http.stream("POST", "/generate", json=self._body(prompt, params, stream=True)) as r:
+            with self._http.stream("POST", "/generate", json=body) as r:
                 if r.status_code != 200:
                     r.read()
                     _checked(r)
@@ -236,6 +298,28 @@ class RuntimeEndpoint(Backend):
                         yield Delta(event["text"], event["output_ids"])
         except httpx.HTTPError as e:
             raise BackendError(f"cannot reach the radixkv runtime at {self.url}: {e}") from None
+
+    def _salted(self, body: dict) -> dict:
+        return body if self.cache_salt is None else {**body, "cache_salt": self.cache_salt}
+
+    def hint(self, prompt: list[int], uses: int = 1, ttl: float | None = None, session_id: str | None = None) -> None:
+        self._call("POST", "/pin", self._salted({"input_ids": prompt, "hint": True, "uses": uses, "ttl": ttl,
+                                                 "session_id": session_id}))  # fmt: skip
+
+    def end_session(self, session_id: str) -> None:
+        self._call("POST", "/unpin", {"session_id": session_id})
+
+    def pin(self, prompt: list[int], ttl: float | None = None) -> str:
+        return self._call("POST", "/pin", self._salted({"input_ids": prompt, "ttl": ttl}))["id"]
+
+    def unpin(self, pin_id: str) -> bool:
+        try:
+            self._call("POST", "/unpin", {"id": pin_id})
+        except BackendError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
 
     def close(self) -> None:
         self._pool.shutdown()

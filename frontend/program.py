@@ -37,6 +37,16 @@ text) are sent and the server tokenizes.
 first use of a path in a process starts the file; later runs append under the same clock.
 Over ``OpenAIBackend`` the prompt ids are the server's: lines carry ``text`` or
 ``messages`` and the output as a count.
+
+Cache advice (radixkv.cache.pins), when the backend takes hints (``EngineBackend`` and
+``RuntimeEndpoint`` unless built with ``hints=False``): every state is a session
+(``fn.run(..., session_id=...)``, else the run's own id; a fork's branches are
+``<id>/<k>``), so each gen leaves its whole prefix protected for the program's next
+step; ``s.fork(n)`` protects the fork point until its n branches are admitted; when the
+program returns its sessions end and that memory is free again. Under memory pressure
+the runtime gives advice up, the youngest program's first; outputs never change.
+``s.pin(ttl=None)`` pins the state's prefix as it is at that point (a system prompt
+shared by many runs, say); the ids are in ``s.pins`` (``backend.unpin(id)``).
 """
 
 from __future__ import annotations
@@ -319,6 +329,11 @@ class _SetVar:
     value: Any
 
 
+@dataclass(frozen=True)
+class _Pin:
+    ttl: float | None
+
+
 class ProgramState:
     """The state ``s`` a program builds; see the module docstring."""
 
@@ -345,6 +360,8 @@ class ProgramState:
         self._finished = False  # the program returned: variables may still be set, nothing added
         self._trace: TraceWriter | None = None  # record_trace: every call becomes a trace line
         self._session: str | None = None  # the program run's id in the trace (forks share it)
+        self._cache_session: str | None = None  # this state's session in the runtime's cache (hints)
+        self.pins: list[str] = []  # ids of the pins s.pin() made
         if _parent is not None:
             self._copy_from(_parent)
 
@@ -373,6 +390,15 @@ class ProgramState:
 
     def set_var(self, name: str, value) -> None:
         self[name] = value
+
+    def pin(self, ttl: float | None = None) -> None:
+        """Pin the state's prefix as it stands here (in order with the operations before
+        it) in the runtime's cache: until ``backend.unpin(id)``, or ``ttl`` seconds. The
+        id is appended to ``s.pins``. Needs a backend that pins (EngineBackend,
+        RuntimeEndpoint); a runtime refuses pins past its max_pinned_share."""
+        if ttl is not None and not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0):
+            raise ProgramError(f"pin(ttl=...) needs seconds > 0 or None, got {ttl!r}")
+        self._submit(_Pin(ttl))
 
     def get_var(self, name: str):
         return self[name]
@@ -423,6 +449,11 @@ class ProgramState:
             self._select(expr)
         elif isinstance(expr, _SetVar):
             self.variables[expr.name] = expr.value
+        elif isinstance(expr, _Pin):
+            if not self.backend.token_level:
+                raise ProgramError(f"pin(): {type(self.backend).__name__} sends text; it cannot pin a prefix")
+            with _naming("pin()"):
+                self.pins.append(self.backend.pin(self._ids(), expr.ttl))
         else:
             self._role_op(expr)
 
@@ -509,17 +540,18 @@ class ProgramState:
         else:
             prompt = self._text_prompt(what)
         t0 = time.perf_counter()
+        advice = self._advice()
         with _naming(what):
             if self._stream_q is not None:
                 result = None
-                for item in self.backend.stream(prompt, params):
+                for item in self.backend.stream(prompt, params, **advice):
                     if isinstance(item, Delta):
                         if item.text:
                             self._stream_q.put(item.text)
                     else:
                         result = item
             else:
-                (result,) = self.backend.generate([prompt], params)
+                (result,) = self.backend.generate([prompt], params, **advice)
         self._record("gen", g.name, prompt, result, time.perf_counter() - t0, params.get("priority", 0))
         ids = list(result.token_ids)
         if not self.backend.token_level:
@@ -679,13 +711,21 @@ class ProgramState:
             raise ProgramError(f"fork(n) needs an int n >= 1, got {size!r}")
         self.sync()
         prompt = self._ids()
+        advice = self._advice()
         if self.backend.token_level and len(prompt) > self._computed + 1:
             t0 = time.perf_counter()
-            with _naming("fork"):
-                (r,) = self.backend.generate([prompt], {"max_new_tokens": 1, "temperature": 0.0})
+            with _naming("fork"):  # the shared prefix, protected (with hints) until the branches come
+                (r,) = self.backend.generate([prompt], {"max_new_tokens": 1, "temperature": 0.0}, **advice,
+                                             **({"hint_uses": size} if advice else {}))  # fmt: skip
             self._record("prefix", None, prompt, r, time.perf_counter() - t0)
             self._computed = len(prompt)
+        elif advice and prompt:
+            with _naming("fork"):
+                self.backend.hint(prompt, uses=size, session_id=self._cache_session)
         children = [ProgramState(self.backend, _parent=self) for _ in range(size)]  # text_iter shows the parent
+        if self._cache_session is not None:
+            for k, child in enumerate(children, len(self.children)):
+                child._cache_session = f"{self._cache_session}/{k}"
         self.children += children
         return ForkGroup(children, self)
 
@@ -762,8 +802,13 @@ class ProgramState:
             report.cached_tokens += c.cached_tokens
         return report
 
+    def _advice(self) -> dict:
+        """The cache advice a request of this state carries (its session), if any."""
+        return {"session_id": self._cache_session} if self._cache_session is not None else {}
+
     def _finish(self) -> None:
-        """Wait for everything, forks included, and stop the worker threads."""
+        """Wait for everything, forks included, and stop the worker threads; then end the
+        state's session in the runtime's cache (its forks end theirs)."""
         try:
             for child in self.children:
                 child._finish()
@@ -771,6 +816,11 @@ class ProgramState:
         finally:
             self._finished = True
             self._worker.shutdown(wait=False)
+            if self._cache_session is not None:
+                try:
+                    self.backend.end_session(self._cache_session)
+                except (BackendError, RuntimeError):  # clean-up only: the advice times out on its own
+                    pass
 
 
 @contextmanager
@@ -907,6 +957,14 @@ def _start_trace(s: ProgramState, trace: TraceWriter | None, name: str) -> None:
         s._trace, s._session = trace, f"{name}-{uuid.uuid4().hex[:12]}"
 
 
+def _start_session(s: ProgramState, session_id: str | None, name: str) -> None:
+    """The run's session in the runtime's cache, when its backend takes hints."""
+    if session_id is not None and not (isinstance(session_id, str) and 0 < len(session_id) <= 200):
+        raise ProgramError(f"run(session_id=...) needs a string of 1 to 200 characters, got {session_id!r:.60}")
+    if getattr(s.backend, "hints", False):
+        s._cache_session = session_id or f"{name}-{uuid.uuid4().hex[:12]}"
+
+
 def _backend(backend: Backend | None) -> Backend:
     chosen = backend or _default_backend
     if chosen is None:
@@ -952,17 +1010,19 @@ class ProgramFunction:
             raise ProgramError(f"{self.__name__}(...): {e}") from None
 
     def run(self, *args, backend: Backend | None = None, stream: bool = False,
-            record_trace: str | TraceWriter | None = None, **kwargs) -> ProgramState:
+            record_trace: str | TraceWriter | None = None, session_id: str | None = None, **kwargs) -> ProgramState:
         """Run the program to the end and return its state. Keywords named like
         SamplingParams fields (``max_new_tokens``, ``temperature``, ``top_p``, ``stop``,
         ... but not a parameter of the program) are defaults for every gen that does not
         set them. With ``stream=True`` it runs in the background and returns at once:
         read ``state.text_iter()``. ``record_trace``: a path (or TraceWriter) that gets a
-        trace line per call (module docstring)."""
+        trace line per call (module docstring). ``session_id``: the run's session in the
+        runtime's cache (default: the run's own id; used when the backend takes hints)."""
         defaults, kwargs = self._split(kwargs)
         self._bind(args, kwargs)
         s = ProgramState(_backend(backend), stream=stream, defaults=defaults)
         _start_trace(s, _run_trace(backend, record_trace), self.__name__)
+        _start_session(s, session_id, self.__name__)
         if not stream:
             self._execute(s, args, kwargs)
             return s
@@ -1029,6 +1089,7 @@ class ProgramFunction:
         def one(i: int) -> None:
             s = ProgramState(chosen, defaults=defaults)
             _start_trace(s, trace, self.__name__)
+            _start_session(s, None, self.__name__)
             states[i] = s
             try:
                 self._execute(s, *calls[i])

@@ -332,3 +332,60 @@ def test_markers_reproduce_the_template(backend, engine):
 
     s = user_first.run(backend=backend)
     assert s.text() == engine.render_chat(s.messages(), add_generation_prompt=False)  # incl. the default system
+
+
+@function
+def advised(s, topic, styles, look):
+    s += system("You write short lines.")
+    s += user(f"Write one line about {topic}.")
+    s += assistant(gen("draft", **GREEDY))
+    s["draft"]
+    look("gen")
+    s.pin(ttl=60)
+    forks = s.fork(len(styles))
+    look("fork")
+    for f, style in zip(forks, styles):
+        f += user(f"Rewrite it in a {style} style.")
+        f += assistant(gen("line", **GREEDY))
+    forks.join()
+
+
+@pytest.mark.parametrize("via", ["engine", "endpoint"])
+def test_programs_leave_cache_advice_and_end_it_with_the_run(via, request, engine):
+    """With hints a program's gen leaves its session's entry, a fork's prefix request a hint
+    for its branches, s.pin() a pin; when the run returns only the pin is left. The texts
+    are those of the same program without advice."""
+    import httpx
+
+    if via == "engine":
+        plain, entries = EngineBackend(engine, hints=False), engine.pins
+        advising = EngineBackend(engine)
+    else:
+        endpoint = request.getfixturevalue("endpoint")
+        plain = RuntimeEndpoint(endpoint.url, hints=False)
+        advising = endpoint
+
+        def entries():
+            return httpx.get(endpoint.url + "/stats").json()["pins"]["entries"]
+
+    def run(backend, **kw):
+        seen = {}
+
+        def look(at):
+            seen[at] = sorted((e["kind"], e.get("session"), e.get("uses")) for e in entries())
+
+        return advised.run(topic="the sea", styles=STYLES[:2], look=look, backend=backend, **kw), seen
+
+    base, seen = run(plain)
+    assert seen == {"gen": [], "fork": [("ttl", None, None)]}  # only the program's own pin
+    (pin,) = base.pins
+    assert plain.unpin(pin) and not plain.unpin(pin) and entries() == []
+
+    s, seen = run(advising, session_id="prog-1")
+    assert seen["gen"] == [("session", "prog-1", None)]
+    assert seen["fork"] == [("hint", "prog-1", 2), ("session", "prog-1", None), ("ttl", None, None)]
+    assert [e["id"] for e in entries()] == s.pins  # sessions and the used-up hint are gone
+    assert s["draft"] == base["draft"] and s["line"] == base["line"]
+    assert advising.unpin(s.pins[0]) and entries() == []
+    if via == "endpoint":
+        plain.close()
