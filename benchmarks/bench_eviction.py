@@ -22,13 +22,16 @@ calls, no model) once per policy and capacity, with LRU and Belady's offline pol
    pages. Target: >= 85% of Belady's hit rate.
 
 Per row: hit rate (cached / prompt tokens), % of Belady's, share of the LRU-to-Belady gap
-closed ((hit - lru) / (belady - lru)), pages evicted and the replay's wall seconds.
+closed ((hit - lru) / (belady - lru)), pages evicted and the replay's wall seconds. A
+second offline row, ``return-oracle`` (``sim.ReturnOracle``: LRU told only whether a leaf
+is ever used again), shows how much of the gap is that question alone: the most an online
+policy that predicts reuse, and nothing about when, could close.
 
     .venv/bin/python benchmarks/bench_eviction.py [--policies lru,lfu,cost] [--quick]
         [--trace PATH] [--json benchmarks/out/bench_eviction.json]
 
 ``--policies``: the registered policies to replay (default all of
-``radixkv.cache.policy.POLICIES``); LRU and Belady always run. ``--quick``: the first 2,000
+``radixkv.cache.policy.POLICIES``); LRU, the return oracle and Belady always run. ``--quick``: the first 2,000
 Mooncake requests and one capacity (20%) of the timed traces, for a smoke run.
 """
 
@@ -66,7 +69,7 @@ def unique_blocks(trace: list[traces.TraceRequest]) -> int:
 def replay_all(trace, caps, page_size, policies, **kw) -> list[dict]:
     """Every policy, LRU and Belady at every capacity; the gap fields added per capacity."""
     rows = []
-    for name in dict.fromkeys(("lru", *policies, "belady")):
+    for name in dict.fromkeys(("lru", *policies, "return-oracle", "belady")):
         for cap in caps:
             t0 = time.perf_counter()
             r = sim.replay(trace, cap, page_size, name, **kw)
@@ -97,7 +100,7 @@ def verdicts(rows: list[dict], field: str, target: float, what: str) -> list[str
     """One line per policy other than LRU and Belady: does it reach ``target`` in
     ``field`` at every capacity?"""
     lines = []
-    for name in dict.fromkeys(r["policy"] for r in rows if r["policy"] not in ("lru", "belady")):
+    for name in dict.fromkeys(r["policy"] for r in rows if r["policy"] not in ("lru", *sim.OFFLINE)):
         values = [r[field] for r in rows if r["policy"] == name]
         ok = all(v is not None and v >= target for v in values)
         shown = ", ".join("-" if v is None else f"{100 * v:.1f}%" for v in values)

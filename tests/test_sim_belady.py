@@ -190,3 +190,18 @@ def test_sweep_reports_the_gap_for_every_policy_and_capacity():
     # no Belady: no gap fields, no second table
     plain = sim.sweep(trace, 16, ("lru",), (0.25,), belady=False)
     assert "of_belady" not in plain["runs"][0] and "gap closed" not in sim.format_table(plain)
+
+
+def test_return_oracle_drops_what_never_comes_back_first_then_the_least_recently_used():
+    def req(base):
+        return TraceRequest(array("i", range(base, base + 9)))  # two whole pages of 4 (the last token is a key's end)
+
+    a, b, c = 100, 200, 300
+    back_to_a = [req(a), req(b), req(c), req(a)]  # 5 pages hold two prompts' pages: C's insertion evicts one
+    assert sim.replay(back_to_a, 5, 4, "lru", arrivals=False).cached_per_request == (0, 0, 0, 0)  # A was oldest
+    oracle = sim.replay(back_to_a, 5, 4, "return-oracle", arrivals=False)
+    assert oracle.cached_per_request == (0, 0, 0, 8)  # B never comes back: it went, though newer than A
+    assert oracle.cached_per_request == sim.replay(back_to_a, 5, 4, "belady", arrivals=False).cached_per_request
+    back_to_b = [req(a), req(b), req(c), req(b)]  # A, oldest, never comes back either: as LRU
+    assert sim.replay(back_to_b, 5, 4, "return-oracle", arrivals=False).cached_per_request == (0, 0, 0, 8)
+    assert sim.replay(back_to_b, 5, 4, "lru", arrivals=False).cached_per_request == (0, 0, 0, 8)

@@ -132,7 +132,8 @@ def replay(
     store of that many pages below those (radixkv.cache.tiers: eviction demotes,
     writing back; admission promotes; ``hit_tokens`` counts every tier).
 
-    ``policy`` is a registered name or ``"belady"``. With ``in_flight`` > 1 a request
+    ``policy`` is a registered name or an offline reference: ``"belady"``, or
+    ``"return-oracle"`` (``ReturnOracle``). With ``in_flight`` > 1 a request
     stays locked until ``in_flight`` newer ones have arrived, so it neither shares its
     own pages with them nor lets them be evicted. ``chunk_size`` is the engine's
     prefill chunk (None: whole prompts): every chunk's whole pages are published as the
@@ -156,8 +157,8 @@ def replay(
         trace = [trace[j] for j in order]
     if capacity_pages is None:
         capacity_pages = total_pages(trace, page_size) + 1
-    if policy == "belady":
-        policy = Belady(trace, page_size)
+    if policy in OFFLINE:
+        policy = OFFLINE[policy](trace, page_size)
     policy = make_policy(policy)
     allocator = PageAllocator(capacity_pages)
     tree = RadixCache(allocator, page_size, policy)
@@ -366,6 +367,25 @@ class Belady(EvictionPolicy):
                 else:
                     hi = k - 1
         return victim, lo
+
+
+class ReturnOracle(Belady):
+    """Offline analysis: LRU told only *whether* a leaf is ever used again, not when.
+    Leaves no later request uses go first (least recently used first), then the rest
+    in LRU order. Where it lands between LRU and Belady says how much of the gap is the
+    question "does this prefix come back at all", which is all an admission or
+    classification policy can learn to answer. A lazy key: the answer changes only when
+    a later request uses the leaf, which touches it."""
+
+    name = "return-oracle"
+    lazy = True
+
+    def key(self, node: Node) -> tuple[int, int]:
+        returns = self._next_use(node.namespace, node.path_key()) != NEVER
+        return (int(returns), node.last_access)
+
+
+OFFLINE = {"belady": Belady, "return-oracle": ReturnOracle}
 
 
 def sweep(
