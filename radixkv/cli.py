@@ -86,12 +86,18 @@ def _kv_dtypes(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _policies(text: str) -> tuple[str, ...]:
-    names = tuple(text.split(","))
-    unknown = [n for n in names if n not in POLICIES]
+def _policies(text: str, offline: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Registered policy names, comma-separated; ``offline``: analysis-only names the
+    simulator also takes."""
+    names, known = tuple(text.split(",")), (*POLICIES, *offline)
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}")
+        raise argparse.ArgumentTypeError(f"unknown policy {unknown[0]!r}; choose from {', '.join(known)}")
     return names
+
+
+def _sim_policies(text: str) -> tuple[str, ...]:
+    return _policies(text, ("return-oracle",))  # Belady runs on its own (--no-belady)
 
 
 def _positive(text: str) -> int:
@@ -216,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "the server does) and whose KV shape sizes a page for --pool-bytes (default: the "
                           "embedded model)")  # fmt: skip
     sim.add_argument(
-        "--policy", type=_policies, default=d.policies,
-        help=f"comma-separated eviction policies (default {','.join(d.policies)})",
+        "--policy", type=_sim_policies, default=d.policies,
+        help=f"comma-separated eviction policies (default {','.join(d.policies)}); return-oracle: the offline "
+             f"LRU told only whether a leaf is ever used again (how much of the gap to Belady is that question)",
     )  # fmt: skip
     sim.add_argument("--no-belady", action="store_true", help="skip the offline Belady reference")
     sim.add_argument("--host-pages", type=_positive, default=None,

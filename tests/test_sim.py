@@ -490,3 +490,16 @@ def test_defaults_match_their_sources():
 
     assert (cli._PREFILL_TOK_S, cli._DECODE_TOK_S) == (sim.DEFAULT_PREFILL_TOK_S, sim.DEFAULT_DECODE_TOK_S)
     assert cli._MAX_RUNNING == EngineConfig().max_running
+
+
+def test_cli_sim_runs_the_return_oracle_beside_belady(tmp_path, capsys):
+    trace_path, out_json = tmp_path / "t.jsonl", tmp_path / "r.json"
+    trace = traces.synthetic("branching")
+    traces.dump_jsonl(trace, trace_path)
+    assert main(["sim", str(trace_path), "--page-size", "16", "--capacity-pages", "60", "--policy",
+                 "lru,return-oracle", "--json", str(out_json)]) == 0  # fmt: skip
+    assert "return-oracle" in capsys.readouterr().out
+    runs = {r["policy"]: r for r in json.loads(out_json.read_text())["runs"]}
+    assert set(runs) == {"lru", "return-oracle", "belady"}
+    alone = sim.replay(traces.load_jsonl(trace_path), 60, 16, "return-oracle")
+    assert runs["return-oracle"]["hit_rate"] == alone.hit_rate and runs["return-oracle"]["gap_closed"] is not None
