@@ -484,16 +484,10 @@ class Engine:
         (directly once the engine is closed)."""
         if self._closed:
             return EngineLoop.QUERIES[what](self.loop)
-        qid = next(self._qids)
-        reply = self._replies[qid] = Reply()
-        self._commands.put(Query(what, qid))
-        try:
-            return reply.wait(self._thread.is_alive)
-        finally:
-            self._replies.pop(qid, None)
+        return self._command(lambda qid: Query(what, qid))
 
     def _command(self, make):
-        """Send ``make(qid)`` (a Hint or Unpin) to the loop and return its answer."""
+        """Send ``make(qid)`` (a Query, Hint or Unpin) to the loop and return its answer."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         qid = next(self._qids)

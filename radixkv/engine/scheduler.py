@@ -183,25 +183,24 @@ class Scheduler:
         hints or sessions: preempt (``_preempt_one``). With them, programs rank by
         priority, then age (``Request.rank``: when the request's session, else the
         request, was first seen): ``req`` may give up the advice of younger programs,
-        then preempt a younger request; the first-ranked running request may give up any
-        advice (so the engine always progresses); any other waits for this step, holding
-        what it has, while older programs run on:
+        then preempt a younger request; the first-ranked running request, once it runs
+        alone, may give up any advice (so the engine always progresses); any other waits
+        for this step, holding what it has, while older programs run on:
 
             give way, in order:  younger programs' hints and sessions -> younger requests
-                                 -> (first-ranked only) any hint -> any request
+                                 -> (first-ranked, alone) any hint
         """
         if not self.kv.pinned.has_soft():
             return self._preempt_one(req, plan)
         mine = self._rank(req)
         if self.kv.drop_hint(younger_than=req.rank[0]):
             return True
-        younger = [o for o in self.running if o is not req and self._rank(o) > mine]
+        others = [o for o in self.running if o is not req]
+        younger = [o for o in others if self._rank(o) > mine]
         if younger:
             self.preempt(max(younger, key=self._rank), plan)
             return True
-        if all(self._rank(o) > mine for o in self.running if o is not req):
-            return self.kv.drop_hint() or self._preempt_one(req, plan)
-        return False
+        return not others and self.kv.drop_hint()  # alone, it ranks first: any advice gives way
 
     @staticmethod
     def _rank(req: Request) -> tuple:
