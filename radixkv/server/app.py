@@ -56,7 +56,7 @@ import msgspec
 
 from radixkv.cache.capture import MAX_SESSION_CHARS, SESSION, SESSION_HEADER, TraceWriter
 from radixkv.cache.manager import check_flush_tiers
-from radixkv.cache.pins import MAX_TTL, PinInfo
+from radixkv.cache.pins import PinInfo
 from radixkv.engine.engine import Engine, RequestStream
 from radixkv.engine.request import CacheControl, RequestOutput, StreamChunk
 from radixkv.engine.constrain import KINDS as GRAMMAR_FIELDS
@@ -616,7 +616,7 @@ class Server:
         params = await self._params(fields, P.OPENAI_NAMES)
         self._check_policy(params, ids)
         ns = self._namespace(http, req.cache_salt)
-        keep = {"session_id": self._session(req.session_id)}
+        keep = {"session_id": P.check_session(req.session_id)}
         if req.cache_control is not None:  # the whole prompt
             keep["cache_control"] = CacheControl(P.cache_ttl(req.cache_control, "cache_control"))
         cons = await self._constraints(params, len(ids))
@@ -741,7 +741,7 @@ class Server:
         self._check_policy(params, [ids])
         ns = self._namespace(http, req.cache_salt)
         keep = {"cache_control": await self._chat_cache_control(req, ids, tools),
-                "session_id": self._session(req.session_id)}  # fmt: skip
+                "session_id": P.check_session(req.session_id)}  # fmt: skip
         (constraint,) = await self._constraints(params, 1, names)
         rid, created = self._ids()
         rid = "chatcmpl-" + rid
@@ -915,7 +915,7 @@ class Server:
         self._check_fanout(1, params.n)
         self._max_tokens(params.max_new_tokens, len(ids), "sampling_params.max_new_tokens", params.kv_rerotate)
         ns = self._namespace(http, req.cache_salt)
-        keep, session = self._pin_option(req.pin) + self._hint_option(req.hint), self._session(req.session_id)
+        keep, session = self._cache_options(req.pin, req.hint), P.check_session(req.session_id)
         (constraint,) = await self._constraints(params, 1)
         if req.stream:
             stream = self.engine.open_stream(ids, params, ns, constraint, cache_control=keep, session_id=session)
@@ -942,34 +942,24 @@ class Server:
         await http.send(200, P.encode(self._generate_body(out)))
 
     @staticmethod
-    def _pin_option(pin) -> tuple[CacheControl, ...]:
-        """``/generate``'s ``pin`` as the engine's CacheControl; a 400 naming pin.ttl or pin.tokens."""
-        if pin is False:
-            return ()
-        if pin is True:
-            return (CacheControl(),)
-        if pin.ttl is not None and not 0 < pin.ttl <= MAX_TTL:
-            raise P.ApiError(400, f"pin.ttl must be seconds in (0, {MAX_TTL:g}] or null, got {pin.ttl!r}", "pin.ttl")
-        if pin.tokens is not None and pin.tokens < 1:
-            raise P.ApiError(400, f"pin.tokens must be >= 1 or null, got {pin.tokens!r}", "pin.tokens")
-        return (CacheControl(ttl=pin.ttl, upto=pin.tokens),)
+    def _cache_options(pin, hint) -> tuple[CacheControl, ...]:
+        """``/generate``'s ``pin`` and ``hint`` as the engine's CacheControls, checked by it;
+        a 400 naming the option's field (pin.ttl, pin.tokens, hint.uses, hint.ttl)."""
+        def control(option: str, names: dict[str, str], **fields) -> CacheControl:
+            try:
+                return CacheControl(**fields)
+            except FieldError as e:
+                name = e.field.split(".", 1)[1]
+                param = f"{option}.{names.get(name, name)}"
+                raise P.ApiError(400, str(e).replace(e.field, param, 1), param) from None
 
-    @staticmethod
-    def _hint_option(hint) -> tuple[CacheControl, ...]:
-        """``/generate``'s ``hint`` as the engine's CacheControl; a 400 naming hint.uses or hint.ttl."""
-        if hint is None:
-            return ()
-        try:
-            return (CacheControl(ttl=hint.ttl, hint=True, uses=hint.uses),)
-        except FieldError as e:
-            param = e.field.replace("cache_control", "hint")
-            raise P.ApiError(400, str(e).replace(e.field, param, 1), param) from None
-
-    @staticmethod
-    def _session(session_id: str | None) -> str | None:
-        """The request's cache session (checked). A trace's session stays the X-Session-Id
-        header's (a program's forks share one there, each branch has its own here)."""
-        return P.check_session(session_id)
+        out = []
+        if pin is not False:
+            fields = {} if pin is True else {"ttl": pin.ttl, "upto": pin.tokens}
+            out.append(control("pin", {"upto": "tokens"}, **fields))
+        if hint is not None:
+            out.append(control("hint", {}, ttl=hint.ttl, hint=True, uses=hint.uses))
+        return tuple(out)
 
     @staticmethod
     def _pin_body(info: PinInfo | None) -> P.PinResponse | None:

@@ -14,6 +14,8 @@ from typing import Any, Literal, Union
 import msgspec
 from msgspec import Struct
 
+from radixkv.cache.pins import MAX_TTL
+from radixkv.engine.request import check_session_id
 from radixkv.engine.sampling import SamplingParams
 from radixkv.errors import FieldError
 from radixkv.validate import is_int
@@ -231,8 +233,6 @@ _TTL_UNITS = {"s": 1, "m": 60, "h": 3600}
 def cache_ttl(cc: CacheControlParam, param: str) -> float:
     """The seconds a ``cache_control`` marker keeps its prefix; a 400 naming ``param``
     (``messages[2].cache_control``) for a type other than "ephemeral" or a bad ttl."""
-    from radixkv.cache.pins import MAX_TTL
-
     if cc.type != "ephemeral":
         raise ApiError(400, f'{param}.type must be "ephemeral", got {cc.type!r}', f"{param}.type")
     ttl = cc.ttl if cc.ttl is not None else "5m"
@@ -248,10 +248,12 @@ def cache_ttl(cc: CacheControlParam, param: str) -> float:
     return float(seconds)
 
 
-def check_session(session_id: str | None, param: str = "session_id") -> str | None:
-    if session_id is not None and not 0 < len(session_id) <= MAX_SALT_CHARS:
-        raise ApiError(400, f"{param} must be 1 to {MAX_SALT_CHARS} characters, got {len(session_id)}", param)
-    return session_id
+def check_session(session_id: str | None) -> str | None:
+    """``session_id`` as the engine takes it (``check_session_id``); a 400 naming it."""
+    try:
+        return check_session_id(session_id)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.field) from None
 
 
 def prompts(req: CompletionRequest) -> list[str | list[int]]:
