@@ -28,6 +28,7 @@ Any other field is an error naming the line and the field.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from array import array
@@ -142,21 +143,25 @@ def _encoded(encode: Callable[[], list[int]], encoder, where: str, field: str) -
     return array("i", ids)
 
 
-def load_jsonl(path: str | Path, encoder: PromptEncoder | None = None) -> list[TraceRequest]:
-    """Read a JSONL trace (``encoder`` for ``text`` / ``messages`` lines). Raises
-    ValueError naming the file and line of a bad entry, or of the first line without an
-    ``arrival`` when others have one."""
-    requests = []
+def _json_lines(path: str | Path):
+    """``(lineno, where, object)`` for each non-empty line of a JSONL file; ValueError
+    naming ``path:line`` for a line that is not JSON."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                yield lineno, where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            requests.append((lineno, parse_request(obj, where, encoder)))
+
+
+def load_jsonl(path: str | Path, encoder: PromptEncoder | None = None) -> list[TraceRequest]:
+    """Read a JSONL trace (``encoder`` for ``text`` / ``messages`` lines). Raises
+    ValueError naming the file and line of a bad entry, or of the first line without an
+    ``arrival`` when others have one."""
+    requests = [(lineno, parse_request(obj, where, encoder)) for lineno, where, obj in _json_lines(path)]
     if not requests:
         raise ValueError(f"{path}: the trace has no requests")
     timed = [r.arrival is not None for _, r in requests]
@@ -235,19 +240,8 @@ def load_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS, o
         raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
     if limit is not None and (not is_int(limit) or limit < 1):
         raise ValueError(f"limit must be an int >= 1 or None, got {limit!r}")
-    requests = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            requests.append(parse_mooncake(obj, where, block_tokens, outputs))
+    lines = itertools.islice(_json_lines(path), limit)  # lines past the limit are not read
+    requests = [parse_mooncake(obj, where, block_tokens, outputs) for _, where, obj in lines]
     if not requests:
         raise ValueError(f"{path}: the trace has no requests")
     return requests
