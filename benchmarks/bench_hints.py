@@ -30,59 +30,18 @@ import statistics
 import time
 from dataclasses import replace
 
-from radixkv.frontend import assistant, function, gen, system, user
 from radixkv.workloads import programs as PR
 from radixkv.workloads.bench import _program_text, warm_up, write_result
 
 TARGET = 1.5
 
 
-# The workloads' agent and branching programs with the time a real program spends between
-# its steps: an agent runs the tool its step asked for, a tree of thought scores a level's
-# branches before it expands them. ``pause`` seconds, after the step's text is read; with
-# pause 0 they send exactly what programs.agent and programs.branching send.
-
-
-@function
-def agent(s, task, observations, answer_tokens, pause=0.0):
-    s += system(PR.AGENT_SYSTEM)
-    s += user(f"Task: {task}")
-    for i, observation in enumerate(observations):
-        s += assistant(gen(f"step{i}", **PR._fixed(answer_tokens)))
-        s[f"step{i}"]  # the action: the tool runs on it
-        time.sleep(pause)
-        s += user(f"Observation: {observation}")
-    s += assistant(gen("final", **PR._fixed(answer_tokens)))
-
-
-@function
-def branching(s, problem, depth, width, answer_tokens, pause=0.0):
-    s += system("You reason step by step, one short step at a time.")
-    s += user(f"Problem: {problem}\nPropose a first step.")
-    frontier = [s]
-    for level in range(depth):
-        children = []
-        for node in frontier:
-            forks = node.fork(width)
-            for k, f in enumerate(forks):
-                f += assistant(gen(f"step{level}", **PR._fixed(answer_tokens)))
-                if level + 1 < depth:
-                    f += user(f"Continue from option {k + 1} with the next step.")
-            children += forks
-        for node in children:
-            node.sync()
-        time.sleep(pause)  # the level's branches are scored
-        frontier = children
-
-
-PROGRAMS = {"agent": agent, "branching": branching}
-
-
 def make_workload(name: str, seed: int, scale: PR.Scale, pause: float,
                   words: tuple[int, int] | None = None) -> PR.Workload:  # fmt: skip
-    """The workload's runs with this module's program (and its pause); ``words``: the
-    length of each agent observation or branching problem instead of the workload's own
-    (long tool outputs and documents, where a lost prefix costs most)."""
+    """The workload's runs with ``pause`` (programs.agent and programs.branching take it:
+    an agent's tool call, scoring a tree's level); ``words``: the length of each agent
+    observation or branching problem instead of the workload's own (long tool outputs
+    and documents, where a lost prefix costs most)."""
     base = PR.make(name, seed, scale)
     runs = [{**r, "pause": pause} for r in base.runs]
     if words is not None:
@@ -92,7 +51,7 @@ def make_workload(name: str, seed: int, scale: PR.Scale, pause: float,
                 r["observations"] = [PR.passage(rng, *words) for _ in r["observations"]]
             else:
                 r["problem"] = PR.passage(rng, *words)
-    return replace(base, program=PROGRAMS[name], runs=runs)
+    return replace(base, runs=runs)
 
 
 def working_set_pages(workload: PR.Workload, page_size: int) -> list[int]:

@@ -21,6 +21,7 @@ import importlib
 import inspect
 import random
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -158,7 +159,9 @@ def make_multi_turn(seed: int, sc: Scale) -> Workload:
 
 
 @function
-def branching(s, problem, depth, width, answer_tokens):
+def branching(s, problem, depth, width, answer_tokens, pause=0.0):
+    """``pause``: seconds a real tree of thought spends scoring a level's branches before
+    it expands them (benchmarks/bench_hints.py); 0 sends the same calls without waiting."""
     s += system("You reason step by step, one short step at a time.")
     s += user(f"Problem: {problem}\nPropose a first step.")
     frontier = [s]
@@ -173,6 +176,7 @@ def branching(s, problem, depth, width, answer_tokens):
             children += forks
         for node in children:
             node.sync()
+        time.sleep(pause)
         frontier = children
 
 
@@ -225,11 +229,16 @@ AGENT_SYSTEM = (
 
 
 @function
-def agent(s, task, observations, answer_tokens):
+def agent(s, task, observations, answer_tokens, pause=0.0):
+    """``pause``: seconds each tool call takes, from when the step's action is read
+    (benchmarks/bench_hints.py); 0 sends the same calls without reading or waiting."""
     s += system(AGENT_SYSTEM)
     s += user(f"Task: {task}")
     for i, observation in enumerate(observations):
         s += assistant(gen(f"step{i}", **_fixed(answer_tokens)))
+        if pause:
+            s[f"step{i}"]  # the action: the tool runs on it
+            time.sleep(pause)
         s += user(f"Observation: {observation}")
     s += assistant(gen("final", **_fixed(answer_tokens)))
 
