@@ -129,6 +129,7 @@ class CostAware(EvictionPolicy):
 
     name = "cost"
     classes = 12  # (prompt, generated) x hits (0, 1, 2+) x (shallow, deep)
+    KIND = 6  # classes per kind: generated text's classes are prompt's plus KIND
     observes = True
     BINS = 48  # log2 age bins: bin b holds ages in [2**(b-1), 2**b)
 
@@ -150,7 +151,7 @@ class CostAware(EvictionPolicy):
         self._lo = np.array([0] + [1 << (b - 1) for b in range(1, n)], dtype=np.float64)  # smallest age in a bin
         self._mid = np.array([0.0] + [1.5 * (1 << (b - 1)) for b in range(1, n)])  # a bin's typical age
         prior = 1.0 / (1.0 + self._lo)  # nothing learned yet: LRU
-        scale = np.where(np.arange(self.classes) >= 6, self.generated_prior, 1.0)[:, None]
+        scale = np.where(np.arange(self.classes) >= self.KIND, self.generated_prior, 1.0)[:, None]
         self._density: list[list[float]] = (scale * prior).tolist()
 
     def key(self, node: Node) -> int:
@@ -158,21 +159,21 @@ class CostAware(EvictionPolicy):
 
     def klass(self, node: Node) -> int:
         hits = node.hits
-        deep = 2 * (node.depth + len(node.key) // 4) >= self.depth_scale
-        return (6 if node.generated else 0) + 2 * (hits if hits < 2 else 2) + deep
+        deep = 2 * _end(node) >= self.depth_scale
+        return (self.KIND if node.generated else 0) + 2 * (hits if hits < 2 else 2) + deep
 
     def rank(self, klass: int, node: Node, now: int) -> tuple[float, int]:
         density = self._density[klass][(now - node.last_access).bit_length()]
-        return (density * (1.0 + (node.depth + len(node.key) // 4) / self.depth_scale), node.last_access)
+        return (density * (1.0 + _end(node) / self.depth_scale), node.last_access)
 
     def hit(self, node: Node, age: int) -> None:
-        self._hits[self.klass(node), age.bit_length()] += len(node.pages)
-        self._events += 1
-        if self._events >= self.period:
-            self._refresh()
+        self._count(self._hits, node, age, len(node.pages))
 
     def evicted(self, node: Node, age: int, pages: int) -> None:
-        self._gone[self.klass(node), age.bit_length()] += pages
+        self._count(self._gone, node, age, pages)
+
+    def _count(self, histogram: np.ndarray, node: Node, age: int, pages: int) -> None:
+        histogram[self.klass(node), age.bit_length()] += pages
         self._events += 1
         if self._events >= self.period:
             self._refresh()
@@ -183,14 +184,15 @@ class CostAware(EvictionPolicy):
         self._events = 0
         hits, gone = self._hits, self._gone
         curves = self._curves(hits, gone)
-        pooled = self._curves(np.stack([hits[:6].sum(0), hits[6:].sum(0)]), np.stack([gone[:6].sum(0), gone[6:].sum(0)]))
+        by_kind = (2, self.KIND, self.BINS)  # prompt / generated, then the kind's classes
+        pooled = self._curves(hits.reshape(by_kind).sum(1), gone.reshape(by_kind).sum(1))
         seen = (hits + gone).sum(1)
-        pooled_seen = np.repeat([seen[:6].sum(), seen[6:].sum()], 6)
+        pooled_seen = seen.reshape(2, self.KIND).sum(1)
         for c in range(self.classes):
             if seen[c] >= self.min_pages:
                 self._density[c] = curves[c].tolist()
-            elif pooled_seen[c] >= self.min_pages:
-                self._density[c] = pooled[c // 6].tolist()
+            elif pooled_seen[c // self.KIND] >= self.min_pages:
+                self._density[c] = pooled[c // self.KIND].tolist()
         hits *= self.decay
         gone *= self.decay
 
@@ -205,6 +207,11 @@ class CostAware(EvictionPolicy):
         count = suffix(events)
         life = np.maximum(suffix(events * self._mid) - self._lo * count, count)
         return np.divide(future_hits, life, out=np.zeros_like(future_hits), where=life > 0)
+
+
+def _end(node: Node) -> int:
+    """Tokens from the root to the end of ``node``'s edge."""
+    return node.depth + len(node.key) // 4
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRU, LFU, FIFO, Priority, CostAware)}

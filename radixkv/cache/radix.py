@@ -536,7 +536,7 @@ class RadixCache:
         else:
             # Each class's heap orders its leaves; the policy compares the heads.
             best = None
-            for c, heap in enumerate(heaps):
+            for c in range(len(heaps)):
                 node = self._top(c)
                 if node is not None:
                     rank = policy.rank(c, node, self._tick)
