@@ -254,9 +254,7 @@ class RuntimeEndpoint(Backend):
 
     def _body(self, prompt: list[int], params: dict, stream: bool = False, session_id: str | None = None,
               hint_uses: int | None = None) -> dict:  # fmt: skip
-        body = {"input_ids": prompt, "sampling_params": params, "stream": stream}
-        if self.cache_salt is not None:
-            body["cache_salt"] = self.cache_salt
+        body = self._salted({"input_ids": prompt, "sampling_params": params, "stream": stream})
         if session_id is not None:
             body["session_id"] = session_id
         if hint_uses is not None:

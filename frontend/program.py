@@ -62,7 +62,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from radixkv.cache.capture import TraceWriter
+from radixkv.cache.capture import MAX_SESSION_CHARS, TraceWriter
 from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
 from radixkv.frontend.choices import ChoicesSamplingMethod, token_length_normalized
 
@@ -957,10 +957,14 @@ def _start_trace(s: ProgramState, trace: TraceWriter | None, name: str) -> None:
         s._trace, s._session = trace, f"{name}-{uuid.uuid4().hex[:12]}"
 
 
+MAX_RUN_SESSION = MAX_SESSION_CHARS - 56  # a run's session id: its forks' sessions add "/<k>" per level
+
+
 def _start_session(s: ProgramState, session_id: str | None, name: str) -> None:
     """The run's session in the runtime's cache, when its backend takes hints."""
-    if session_id is not None and not (isinstance(session_id, str) and 0 < len(session_id) <= 200):
-        raise ProgramError(f"run(session_id=...) needs a string of 1 to 200 characters, got {session_id!r:.60}")
+    if session_id is not None and not (isinstance(session_id, str) and 0 < len(session_id) <= MAX_RUN_SESSION):
+        raise ProgramError(f"run(session_id=...) needs a string of 1 to {MAX_RUN_SESSION} characters, got "
+                           f"{session_id!r:.60}")  # fmt: skip
     if getattr(s.backend, "hints", False):
         s._cache_session = session_id or f"{name}-{uuid.uuid4().hex[:12]}"
 
