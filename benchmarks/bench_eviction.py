@@ -90,8 +90,7 @@ def table(rows: list[dict], caps: list[int], label) -> str:
         cells = []
         for c in caps:
             r = by_cap[c]
-            gap = "-" if r["gap_closed"] is None else f"{100 * r['gap_closed']:.1f}"
-            cells += [f"{100 * r['hit_rate']:.2f}", f"{100 * r['of_belady']:.1f}", gap]
+            cells += [f"{100 * r['hit_rate']:.2f}", sim._percent(r["of_belady"]), sim._percent(r["gap_closed"])]
         out.append([name] + cells)
     return sim._render(out, left=1)
 

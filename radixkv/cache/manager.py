@@ -356,9 +356,8 @@ class KVCacheManager:
         Raises FieldError naming ``field`` (nothing claimed) beyond the cap. Mutates the
         claims; a bookkeeping match may split a node.
         """
+        self._need_tree(field)
         whole = len(tokens) // self.page_size * self.page_size
-        if self.tree is None:
-            raise FieldError(field, f"{field}: pins need the prefix cache (enable_prefix_cache)")
         if whole == 0:
             return None
         claim = PendingPin(namespace, token_key(tokens[:whole]))
@@ -487,10 +486,13 @@ class KVCacheManager:
     def _match_whole(self, tokens, namespace, field: str = "tokens"):
         """The tree's match of the whole pages of ``tokens`` (no statistics), or None when
         it holds none."""
-        if self.tree is None:
-            raise FieldError(field, f"{field}: pins and hints need the prefix cache (enable_prefix_cache)")
+        self._need_tree(field)
         m = self.tree.match_prefix(tokens, namespace, record_stats=False)
         return m if len(m.pages) else None
+
+    def _need_tree(self, field: str) -> None:
+        if self.tree is None:
+            raise FieldError(field, f"{field}: pins and hints need the prefix cache (enable_prefix_cache)")
 
     @staticmethod
     def _pages_on_path(node: Node, nodes: set[Node]) -> int:
