@@ -17,6 +17,7 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     GET  /stats                 Engine.stats() as JSON
     GET  /debug/integrity       pool and tree invariants (500 if broken)
     GET  /model_info            context length, vocabulary, EOS ids, page size
+    GET  /server_info           SGLang's: the model, its served name and the limits (what sglang-router reads)
     POST /tokenize              text -> token ids (what program frontends build prompts from); also
                                 vLLM's body: a prompt, or messages rendered by the chat template
     POST /detokenize            token ids -> text (vLLM's body)
@@ -293,6 +294,7 @@ class Server:
             ("GET", "/stats"): self.stats,
             ("GET", "/debug/integrity"): self.integrity,
             ("GET", "/model_info"): self.model_info,
+            ("GET", "/server_info"): self.server_info,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/render_chat"): self.render_chat,
             ("POST", "/detokenize"): self.detokenize,
@@ -905,6 +907,9 @@ class Server:
         req = await http.json(P.GenerateRequest)
         if (req.text is None) == (req.input_ids is None):
             raise P.ApiError(400, "give exactly one of text and input_ids", "text")
+        if req.model is not None:  # SGLang's field (sglang-router sends null)
+            self._check_model(req.model)
+        P.check_sglang(req)
         param = "text" if req.text is not None else "input_ids"
         bounded = req.sampling_params.get("kv_policy") is not None
         unbounded = req.sampling_params.get("kv_rerotate") is True
@@ -1048,6 +1053,15 @@ class Server:
     async def model_info(self, http: Http) -> None:
         e = self.engine
         info = P.ModelInfo(self.model_name, e.max_context, e.vocab_size, sorted(e.eos_token_ids), e.config.page_size)
+        await http.send(200, P.encode(info))
+
+    async def server_info(self, http: Http) -> None:
+        """SGLang's /server_info: sglang-router names a worker's model after it."""
+        from radixkv import package_version
+
+        e = self.engine
+        info = P.ServerInfo(e.config.model, self.model_name, package_version(), e.max_context,
+                            e.loop.capacity_tokens, e.config.max_running, e.config.page_size)  # fmt: skip
         await http.send(200, P.encode(info))
 
     async def tokenize(self, http: Http) -> None:

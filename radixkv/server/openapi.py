@@ -62,6 +62,9 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("GET", "/stats"): RouteDoc("Engine.stats()", response=dict[str, Any]),
     ("GET", "/debug/integrity"): RouteDoc("Pool and tree invariants (500 if broken)", response=P.IntegrityResponse),
     ("GET", "/model_info"): RouteDoc("Context length, vocabulary, EOS ids, page size", response=P.ModelInfo),
+    ("GET", "/server_info"): RouteDoc(
+        "SGLang's server info: the model, its served name, the limits (what sglang-router reads)",
+        response=P.ServerInfo),
     ("POST", "/tokenize"): RouteDoc(
         "Text, a prompt or chat messages -> token ids (radixkv's and vLLM's bodies)", P.TokenizeRequest,
         P.TokenizeResponse),

@@ -103,6 +103,10 @@ class _Sampling(Struct, kw_only=True, forbid_unknown_fields=True):
     # session whose next request this one's prefix stays protected for
     cache_control: CacheControlParam | None = None
     session_id: str | None = None
+    # SGLang's own fields, which sglang-router writes into every request it forwards (at
+    # these values): honoured at them, any other a 400 (``check_sglang``)
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -166,6 +170,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    # SGLang's chat fields that sglang-router forwards: continue_final_message as in
+    # ``check_sglang``; without a reasoning parser there is nothing to separate, so either
+    # value of the reasoning switches is what radixkv does (as in SGLang without one)
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 UNSUPPORTED = {  # field -> why a non-null value is refused
@@ -198,6 +208,27 @@ def check_unsupported(req) -> None:
         raise ApiError(400, "stream_options.include_obfuscation is not supported", "stream_options.include_obfuscation")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options needs stream: true", "stream_options")
+    check_sglang(req)
+
+
+SGLANG_FIXED = {  # SGLang's request field -> (the value radixkv honours, why another is refused)
+    "no_stop_trim": (False, "no_stop_trim is not supported: a stop string is always cut from the output"),
+    "continue_final_message": (False, "continue_final_message is not supported"),
+    "return_hidden_states": (False, "return_hidden_states is not supported"),
+    "return_text_in_logprobs": (False, "return_text_in_logprobs is not supported"),
+    "return_bytes": (False, "return_bytes is not supported"),
+    "return_entropy": (False, "return_entropy is not supported"),
+    "background": (False, "background is not supported"),
+    "no_logs": (False, "no_logs is not supported"),
+}
+
+
+def check_sglang(req) -> None:
+    """A 400 naming the first of SGLang's fields (``SGLANG_FIXED``) set to a value radixkv
+    does not honour. sglang-router re-encodes each request it forwards with them all."""
+    for name, (value, why) in SGLANG_FIXED.items():
+        if getattr(req, name, value) != value:
+            raise ApiError(400, why, name)
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -484,7 +515,10 @@ class GenerateRequest(Struct, forbid_unknown_fields=True):
     """SGLang-style: ``text`` or ``input_ids``, and SamplingParams' own fields by name;
     ``pin`` (true, or {ttl, tokens}) keeps the prompt cached after the request (the answer's
     ``meta_info.pin`` has its id), ``hint`` protects it for the requests that continue it,
-    ``session_id`` keeps the request's whole prefix for the session's next request."""
+    ``session_id`` keeps the request's whole prefix for the session's next request. The
+    fields after ``session_id`` are SGLang's, which sglang-router sends in every request
+    it forwards: ``model`` is checked when not null, ``log_metrics`` changes nothing
+    (metrics count every request), the rest as in ``check_sglang``."""
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -494,6 +528,14 @@ class GenerateRequest(Struct, forbid_unknown_fields=True):
     pin: Union[bool, PinOption] = False
     hint: HintOption | None = None
     session_id: str | None = None
+    model: str | None = None
+    log_metrics: bool = True
+    return_text_in_logprobs: bool = False
+    return_hidden_states: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    background: bool = False
+    no_logs: bool = False
 
 
 class PinRequest(Struct, forbid_unknown_fields=True):
@@ -597,6 +639,19 @@ class ModelInfo(Struct):
     max_context: int
     vocab_size: int
     eos_token_ids: list[int]
+    page_size: int
+
+
+class ServerInfo(Struct):
+    """SGLang's ``/server_info`` (its field names), what sglang-router reads when it adds
+    a worker: the model (``--model``) and the name it is served under, and the limits."""
+
+    model_path: str
+    served_model_name: str
+    version: str
+    context_length: int  # tokens a sequence may span
+    max_total_tokens: int  # tokens the KV pool holds
+    max_running_requests: int
     page_size: int
 
 
