@@ -1,4 +1,4 @@
-"""Command line: ``radixkv serve | bench | demo | sim | kv-scales``.
+"""Command line: ``radixkv serve | router | bench | demo | sim | kv-scales``.
 
     radixkv serve [--model M --port P ...]  the HTTP runtime (``radixkv serve --help``)
     radixkv bench [--scale small]           end-to-end workloads vs peers (source checkout)
@@ -179,6 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
     from radixkv.server.serve import add_arguments
 
     add_arguments(serve)
+    from radixkv.server.serve import add_replica_arguments
+
+    add_replica_arguments(serve)
+
+    router = sub.add_parser(
+        "router", help="a cache-aware router in front of radixkv replicas",
+        description="One HTTP front (the replicas' routes) for N replicas: each request goes where its prompt is "
+        "cached (the replicas' KV events; SGLang's approximate text tree for replicas without them), with health "
+        "checks and retries.",
+    )  # fmt: skip
+    from radixkv.server.router import add_arguments as add_router_arguments
+
+    add_router_arguments(router)
 
     bench = sub.add_parser(
         "bench", help="end-to-end benchmark: SGLang-paper workloads on radixkv (and its peers in a source checkout)",
@@ -432,9 +445,17 @@ def cmd_bench(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from radixkv.server.serve import configs, run
+    from radixkv.server.serve import configs, run, run_replicas
 
+    if args.replicas != 1:
+        return run_replicas(*configs(args), args.replicas)
     return run(*configs(args))
+
+
+def cmd_router(args) -> int:
+    from radixkv.server.router import config_from, run
+
+    return run(config_from(args))
 
 
 def cmd_demo(args) -> int:
@@ -515,7 +536,7 @@ def demo_chat() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve, "bench": cmd_bench, "kv-scales": cmd_kv_scales}
+        commands = {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve, "router": cmd_router, "bench": cmd_bench, "kv-scales": cmd_kv_scales}
         return commands[args.command](args)
     except (ValueError, OSError) as e:
         print(f"radixkv {args.command}: error: {e}", file=sys.stderr)

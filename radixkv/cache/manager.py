@@ -57,6 +57,7 @@ import numpy as np
 from radixkv.cache.compress import (
     OBSERVE_TOKENS, KVPolicySpec, View, ViewIndex, chain_hashes, keydiff_scores, page_sums, select_pages,
 )  # fmt: skip
+from radixkv.cache.events import tree_blocks
 from radixkv.cache.pins import HARD, SOFT, Entry, PendingPin, PinInfo, PinRegistry, later
 from radixkv.cache.pool import PageAllocator, PageIds
 from radixkv.cache.radix import Node, RadixCache, token_key
@@ -142,7 +143,7 @@ class KVCacheManager:
 
     def __init__(self, pool: PageAllocator, tree: RadixCache | None, page_size: int, tiers=None,
                  rerotate: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-                 max_pinned_share: float = 0.5):  # fmt: skip
+                 max_pinned_share: float = 0.5, events=None):  # fmt: skip
         if tree is not None and tree.page_size != page_size:
             raise ValueError(f"page_size {page_size} but the tree's pages hold {tree.page_size} tokens")
         if tiers is not None and tree is None:
@@ -151,8 +152,13 @@ class KVCacheManager:
         self.tree = tree
         self.page_size = page_size
         self.tiers = tiers  # a KVTiers below the pool, or None
-        if tiers is not None:
-            tree.on_evict = tiers.demote
+        if events is not None and tree is None:
+            raise ValueError("KV events need the prefix cache (enable_prefix_cache)")
+        self.events = events  # a KVEventRecorder (radixkv.cache.events), or None
+        if events is not None:
+            tree.on_insert = events.stored
+        if tiers is not None or events is not None:
+            tree.on_evict = self._on_evict
         self.views = ViewIndex(pool, tree, page_size) if tree is not None else None  # long-context views
         # kv_rerotate: rerotate(src, dst, shifts) writes src pages' KV into dst with keys moved
         # shifts[i] positions back (the engine binds the pool and the model's rotary); None:
@@ -293,7 +299,7 @@ class KVCacheManager:
             for eid in [eid for eid, e in self.pinned.entries.items() if e.kind in SOFT]:
                 self._unpin(eid)  # hints are advice; pins and TTLs stay (their pages stay locked)
             freed += self.views.clear()
-            hook, self.tree.on_evict = self.tree.on_evict, None
+            hook, self.tree.on_evict = self.tree.on_evict, self._dropped if self.events is not None else None
             try:
                 freed += self.tree.evict(self.tree.cached_pages)
             finally:
@@ -301,6 +307,8 @@ class KVCacheManager:
         if self.tiers is not None:
             if tiers in ("host", "memory", "all"):
                 self.tiers.flush("host")
+                if self.events is not None:
+                    self.events.host_cleared()
             if tiers in ("store", "all"):
                 self.tiers.flush("store")
         return freed
@@ -771,6 +779,8 @@ class KVCacheManager:
             for page, n in self.views.owners().items():
                 refs[page] = refs.get(page, 0) + n
             self.tree.check_integrity(external_refs=refs)
+            if self.events is not None and set(self.events.device.values()) != tree_blocks(self.tree):
+                raise IntegrityError("the KV events' device pages differ from the tree's")
         else:
             self.pool.check_integrity()
             refs = self.pool.refcounts()
@@ -860,6 +870,19 @@ class KVCacheManager:
         return inserted.node
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _on_evict(self, leaf: Node, keep: int) -> None:
+        """The tree's ``on_evict``: the device drops ``leaf.pages[keep:]``; the tiers demote
+        them and the events say where they went."""
+        moved = self.events.evicting(leaf, keep) if self.events is not None else None
+        if self.tiers is not None:
+            host = self.tiers.demote(leaf, keep)
+            if moved is not None and host is not None:
+                self.events.demoted(moved, *host)
+
+    def _dropped(self, leaf: Node, keep: int) -> None:
+        """``on_evict`` while flushing: pages dropped, never demoted."""
+        self.events.evicting(leaf, keep)
 
     def _evict(self, num_pages: int) -> int:
         """Free ``num_pages`` pages if unlocked memory holds them: tree leaves first, then

@@ -209,6 +209,8 @@ class RadixCache:
         # called with (leaf, keep) before a victim's pages leaf.pages[keep:] are released
         # (the leaf still whole): the tiers demote them (radixkv.cache.tiers)
         self.on_evict: Callable[[Node, int], None] | None = None
+        # called with each new leaf once linked (its pages are the ones just added): KV events
+        self.on_insert: Callable[[Node], None] | None = None
         self.protected_pages = 0
 
     # -- queries ---------------------------------------------------------------
@@ -384,6 +386,8 @@ class RadixCache:
             self._num_nodes += 1
             self.inserted_pages += len(new_pages)
             self._push(leaf)
+            if self.on_insert is not None:
+                self.on_insert(leaf)
             node = leaf
         self._tick += 1
         node.last_access = self._tick

@@ -133,24 +133,27 @@ class KVTiers:
 
     # -- down: eviction ------------------------------------------------------------------
 
-    def demote(self, leaf, keep: int) -> None:
+    def demote(self, leaf, keep: int) -> tuple[list[bytes], list[bytes]] | None:
         """``RadixCache.on_evict``: the device drops ``leaf.pages[keep:]``; keep their
-        bytes in the next tier down (host; else the store, when writing back)."""
+        bytes in the next tier down (host; else the store, when writing back). Returns
+        (their keys, the keys the host tier pushed out) when the host tier took them,
+        else None."""
         dropped = leaf.pages[keep:]
         if not len(dropped) or (self.host is None and (self.store is None or self.write == "through")):
-            return
+            return None
         if isinstance(leaf.namespace, ViewNamespace):  # computed on a long-context view: device only
-            return
+            return None
         keys = self.keys(np.frombuffer(leaf.path_key(), dtype=np.int32), leaf.namespace)  # the path's whole pages
         keys = keys[len(keys) - len(dropped) :]  # the leaf's pages end the path
         rows = self.pool.read_pages(dropped)
         self.stats.demoted_pages += len(dropped)
         if self.host is None:
             self.store.save(keys, list(rows))
-            return
+            return None
         pushed = self.host.put(keys, rows)
         if pushed and self.store is not None and self.write == "back":
             self.store.save([k for k, _ in pushed], [r for _, r in pushed])
+        return keys, [k for k, _ in pushed]
 
     # -- up: admission ---------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixkv.cache.events import check_endpoint
 from radixkv.cache.formats import KVFormat, kv_format
 from radixkv.cache.pins import MAX_TTL
 from radixkv.cache.store import check_store_spec
@@ -48,9 +49,18 @@ class EngineConfig:
     hint_ttl: float = 30.0
     session_ttl: float = 300.0
     hint_hold: float = 1.0
+    # KV events (radixkv.cache.events) for KV-aware routers: a ZMQ PUB endpoint to bind (None:
+    # no events), a replay (ROUTER) endpoint, the topic, and how many batches replay keeps
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = "kv-events"
+    kv_events_buffer: int = 10000
+    # tensor parallelism (radixkv.model.tp): ranks the model's heads and MLP are split across
+    # (gloo on the CPU, NCCL on CUDA); must divide the model's query and KV heads
+    tp: int = 1
 
     def __post_init__(self):
-        for name in ("page_size", "max_batch_tokens", "max_running", "kv_store_bytes"):
+        for name in ("page_size", "max_batch_tokens", "max_running", "kv_store_bytes", "tp"):
             check_int(name, getattr(self, name), 1)
         for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size", "host_cache_bytes", "context_length"):
             check_optional_int(name, getattr(self, name), 1)
@@ -68,6 +78,20 @@ class EngineConfig:
         if (self.host_cache_bytes or self.kv_store) and not self.enable_prefix_cache:
             raise ValueError("host_cache_bytes and kv_store are tiers of the prefix cache: they need enable_prefix_cache")
         self.kv_format.check_scales(self.kv_scales is not None)  # also a clear error for an unknown kv_dtype
+        if self.tp > 1:  # what the workers cannot mirror (radixkv.model.tp): pool writes outside the forward
+            if self.host_cache_bytes or self.kv_store:
+                raise ValueError("tp > 1 does not support host_cache_bytes or kv_store yet (the tiers would copy "
+                                 "rank 0's KV heads only)")  # fmt: skip
+            if self.kv_format.paged:
+                raise ValueError(f"tp > 1 does not support kv_dtype {self.kv_format.name} yet (a paged format's "
+                                 "sealing follows the allocator, which only rank 0 has)")  # fmt: skip
+        check_endpoint("kv_events", self.kv_events)
+        check_endpoint("kv_events_replay", self.kv_events_replay)
+        check_int("kv_events_buffer", self.kv_events_buffer, 1)
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay replays kv_events: give kv_events too")
+        if self.kv_events is not None and not self.enable_prefix_cache:
+            raise ValueError("kv_events publish the prefix cache's pages: they need enable_prefix_cache")
 
     @property
     def kv_format(self) -> KVFormat:

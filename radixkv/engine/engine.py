@@ -317,6 +317,12 @@ class Engine:
         never blocks, but fields may come from either side of a step (for metrics)."""
         return self.loop.stats()
 
+    def kv_blocks(self) -> dict:
+        """With ``kv_events``: the block hashes of the pages the cache holds, per medium
+        (``GPU``: recomputed from the tree; ``CPU``: the host tier), between steps. A router
+        fed by this engine's events holds the same at idle. ValueError without events."""
+        return self._query("kv_blocks")
+
     def check_integrity(self) -> None:
         """Pool and tree invariants, with every running request's references counted.
         Raises IntegrityError."""
@@ -425,6 +431,8 @@ class Engine:
             return
         if self.loop.model.config.sliding_window is not None:
             raise FieldError("kv_policy", "kv_policy is not supported for sliding-window models yet")
+        if self.config.tp > 1:  # rank 0 sees its heads' attention and keys only (radixkv.model.tp)
+            raise FieldError("kv_policy", "kv_policy is not supported with tp > 1 yet")
         resolve_policy(params.kv_policy, params.kv_budget, params.kv_compress_at, self.loop.config.page_size, prompt_len,
                        params.kv_rerotate, self.max_context)  # fmt: skip
 

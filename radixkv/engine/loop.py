@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from radixkv.cache.compress import resolve_policy
+from radixkv.cache.events import KVEventRecorder, ZmqEventPublisher, tree_blocks
 from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import FLUSH_TIERS, KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
@@ -46,6 +47,7 @@ from radixkv.kernels import get_backend
 from radixkv.model.llama import rerotate_pages
 from radixkv.model.loader import as_dtype, load_model
 from radixkv.model.registry import resolve_model
+from radixkv.model.tp import TensorParallel
 from radixkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from radixkv.validate import ceil_div
 
@@ -75,14 +77,27 @@ class EngineLoop:
             pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
         else:
             pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
-        self.pool = KVPool(PoolConfig(**pool_cfg))
+        pool_config = PoolConfig(**pool_cfg)  # the whole model's
+        self.tp = None  # with tp > 1: rank 0 of the model (radixkv.model.tp); workers start last
+        if cfg.tp > 1:
+            self.tp = TensorParallel(self.model, source.path, pool_config, cfg.attention_backend, cfg.dtype,
+                                     cfg.device, cfg.tp)  # fmt: skip
+            self.model, pool_config = self.tp.model, self.tp.pool_config
+        self.pool = KVPool(pool_config)
         self.tree = RadixCache(self.pool, cfg.page_size, cfg.policy) if cfg.enable_prefix_cache else None
         self.backend = get_backend(cfg.attention_backend, cfg.device, cfg.kv_format.dtype, as_dtype(cfg.dtype))
         self.tiers = self._tiers() if (cfg.host_cache_bytes or cfg.kv_store) else None
         if cfg.context_length is not None and cfg.context_length > mc.max_position_embeddings:
             raise ValueError(f"context_length {cfg.context_length} is past the model's trained context "
                              f"({mc.max_position_embeddings} positions)")  # fmt: skip
-        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, self._rerotate, cfg.max_pinned_share)
+        # KV events for routers: the recorder follows the tree and tiers, the publisher sends a batch a step
+        self.events = KVEventRecorder(cfg.page_size) if cfg.kv_events is not None else None
+        self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, self._rerotate, cfg.max_pinned_share,
+                                 self.events)  # fmt: skip
+        self.publisher = None
+        if cfg.kv_events is not None:
+            self.publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic,
+                                               cfg.kv_events_buffer)  # fmt: skip
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size, cfg.hint_hold)  # fmt: skip
         self.sampler = Sampler()
@@ -90,6 +105,8 @@ class EngineLoop:
         self.output = OutputProcessor(self.tokenizer.eos_token_ids, self.max_context, send)
         self.steps = 0
         self.generated_tokens = 0
+        if self.tp is not None:
+            self.tp.start()
 
     def _rerotate(self, src, dst, shifts) -> None:
         """The manager's hook for kv_rerotate: moves kept keys to their positions within
@@ -136,6 +153,8 @@ class EngineLoop:
         (``Stopped`` is still sent)."""
         try:
             while True:
+                if self.publisher is not None:  # what the last step or command changed, as one batch
+                    self.publisher.publish(self.events.take())
                 idle = not self.scheduler.has_work() or self.scheduler.holding  # holding: wait for commands
                 try:
                     command = inbox.get(timeout=0.05) if idle else inbox.get_nowait()
@@ -159,6 +178,11 @@ class EngineLoop:
         except Exception:  # outside a step: the loop cannot go on; the client fails what waits
             logger.exception("engine loop failed")
         finally:
+            if self.tp is not None:  # the workers end with the loop
+                self.tp.close()
+            if self.publisher is not None:
+                self.publisher.publish(self.events.take())
+                self.publisher.close()
             self.send(Stopped())
 
     def _run_command(self, command: Command) -> None:
@@ -288,7 +312,8 @@ class EngineLoop:
         if batch.input_ids.device.type != "cpu":  # the device computes; this core is free for the masks meanwhile
             prefetch([s.req.constraint for s in plan if s.req.constraint is not None and s.samples])
         try:
-            logits = self.model.forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
+            forward = self.model.forward if self.tp is None else self.tp.forward  # tp: every rank, in step
+            logits = forward(batch, self.pool, self.backend, all_logits=bool(prompt_lp))
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             self._end([s.req for s in plan], "error", f"{type(e).__name__}: {e}")
             return
@@ -356,6 +381,10 @@ class EngineLoop:
             "views": self.kv.views.stats() if self.kv.views is not None else None,
             "tiers": self.tiers.snapshot() if self.tiers is not None else None,
             "pins": self._pins_stats(),
+            "kv_events": None if self.publisher is None else {
+                "endpoint": self.config.kv_events, "replay_endpoint": self.config.kv_events_replay,
+                "topic": self.config.kv_events_topic, "batches": self.publisher.sent,
+                "events": self.events.published_events},
         }
 
     def _pins_stats(self) -> dict:
@@ -367,8 +396,16 @@ class EngineLoop:
                 "hinted_pages": reg.hinted_pages, "hints_used": reg.used, "hints_dropped": reg.dropped,
                 "expired": reg.expired, "entries": [e.info().describe(now) for e in entries]}  # fmt: skip
 
+    def _kv_blocks(self) -> dict:
+        """The block hashes a router fed by this engine's events should hold: ``GPU``
+        recomputed from the tree's paths, ``CPU`` the host tier's as recorded."""
+        if self.events is None:
+            raise ValueError("this engine publishes no KV events (kv_events)")
+        return {"GPU": sorted(tree_blocks(self.tree)), "CPU": sorted(self.events.host.values()),
+                "page_size": self.pool.page_size}  # fmt: skip
+
     def _check(self) -> None:
         self.kv.check(self.scheduler.owners())
 
     # what a Query may name; "flush:<tiers>" per name in FLUSH_TIERS
-    QUERIES = {"stats": stats, "check": _check, **{f"flush:{t}": lambda self, t=t: self._flush(t) for t in FLUSH_TIERS}}
+    QUERIES = {"stats": stats, "check": _check, "kv_blocks": _kv_blocks, **{f"flush:{t}": lambda self, t=t: self._flush(t) for t in FLUSH_TIERS}}

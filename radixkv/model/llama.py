@@ -13,6 +13,7 @@ same RoPE tables), so results match it to float rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,9 @@ class LlamaModel:
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
         self.dtype = embed.dtype
         self.device = embed.device
+        # Tensor parallelism (radixkv.model.tp): sums a partial ``[T, hidden]`` in place
+        # across the ranks, after o_proj and after down_proj; None: the whole model here.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -94,8 +98,11 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Logits (float32) for the last new token of each sequence, ``[B, vocab]``, or
         for every new token with ``all_logits``, ``[T, vocab]``. Writes the new tokens'
-        K/V into ``pool`` at ``batch.out_slots``."""
+        K/V into ``pool`` at ``batch.out_slots``. With ``all_reduce`` set (a rank of a
+        tensor-parallel model, ``radixkv.model.tp``), each rank calls this with the same
+        batch, in step."""
         cfg = self.config
+        reduce = self.all_reduce
         backend = backend or get_backend("torch")
         backend.plan(batch)
         cos, sin = self._rope(batch.positions)
@@ -110,10 +117,16 @@ class LlamaModel:
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
             pool.store_kv(i, k, v, batch.out_slots)
             o = backend.forward(q, k, v, pool.view(i), scale, cfg.sliding_window)
-            x = x + _linear(o.reshape(-1, hq * d), w.o)
+            out = _linear(o.reshape(-1, hq * d), w.o)
+            if reduce is not None:
+                reduce(out)
+            x = x + out
             h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
             gate, up = _linear(h, w.gate_up).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, w.down)
+            out = _linear(F.silu(gate) * up, w.down)
+            if reduce is not None:
+                reduce(out)
+            x = x + out
         if not all_logits:
             x = x[(batch.qo_indptr[1:] - 1).long()]
         x = _rms_norm(x, self.norm, cfg.rms_norm_eps)

@@ -16,6 +16,8 @@ Routes (everything but /health needs ``Authorization: Bearer KEY`` when an API k
     GET  /health                200 while the engine thread lives
     GET  /stats                 Engine.stats() as JSON
     GET  /debug/integrity       pool and tree invariants (500 if broken)
+    GET  /debug/kv_blocks       with --kv-events: the block hashes the cache holds per medium (GPU from
+                                the tree, CPU the host tier): what a router's index of this replica holds
     GET  /model_info            context length, vocabulary, EOS ids, page size
     GET  /server_info           SGLang's: the model, its served name and the limits (what sglang-router reads)
     POST /tokenize              text -> token ids (what program frontends build prompts from); also
@@ -293,6 +295,7 @@ class Server:
             ("GET", "/health"): self.health,
             ("GET", "/stats"): self.stats,
             ("GET", "/debug/integrity"): self.integrity,
+            ("GET", "/debug/kv_blocks"): self.kv_blocks,
             ("GET", "/model_info"): self.model_info,
             ("GET", "/server_info"): self.server_info,
             ("POST", "/tokenize"): self.tokenize,
@@ -1128,6 +1131,13 @@ class Server:
         text = await asyncio.to_thread(self._render, req, req.add_generation_prompt)
         ids = await asyncio.to_thread(self._render, req, req.add_generation_prompt, True)
         await http.send(200, P.encode(P.RenderChatResponse(text, ids)))
+
+    async def kv_blocks(self, http: Http) -> None:
+        try:
+            blocks = await asyncio.to_thread(self.engine.kv_blocks)
+        except ValueError as e:
+            raise P.ApiError(404, str(e), "kv_events") from None
+        await http.send(200, P.encode(blocks))
 
     async def integrity(self, http: Http) -> None:
         try:

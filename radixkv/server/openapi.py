@@ -61,6 +61,8 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("GET", "/health"): RouteDoc("200 while the engine thread lives (never needs the key)", response=P.HealthResponse),
     ("GET", "/stats"): RouteDoc("Engine.stats()", response=dict[str, Any]),
     ("GET", "/debug/integrity"): RouteDoc("Pool and tree invariants (500 if broken)", response=P.IntegrityResponse),
+    ("GET", "/debug/kv_blocks"): RouteDoc("With --kv-events: block hashes the cache holds per medium (GPU, CPU)",
+                                          response=dict[str, Any]),
     ("GET", "/model_info"): RouteDoc("Context length, vocabulary, EOS ids, page size", response=P.ModelInfo),
     ("GET", "/server_info"): RouteDoc(
         "SGLang's server info: the model, its served name, the limits (what sglang-router reads)",

@@ -46,6 +46,13 @@ HELP = {
                    "request (advice: given up under memory pressure)",
     "hint_hold": "seconds an idle engine keeps a waiting request out rather than give up hints and sessions whose "
                  "programs are about to come back; then they give way",
+    "kv_events": "publish KV events (pages stored/removed per tier, vLLM's schema) on this ZMQ PUB endpoint for "
+                 "KV-aware routers: tcp://127.0.0.1:PORT or ipc://PATH (loopback only: events carry token ids); "
+                 "default none",
+    "kv_events_replay": "with --kv-events: a ZMQ ROUTER endpoint that replays recent event batches to a "
+                        "subscriber that missed them; default none",
+    "kv_events_topic": "the topic frame of every event message",
+    "kv_events_buffer": "event batches the replay socket keeps",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority, cost (cost-aware, learned online)",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
@@ -55,6 +62,8 @@ HELP = {
     "context_length": "tokens a sequence may span (prompt and output); default the model's trained context, at most "
                       "that (a kv_rerotate request bounds positions instead and may run past it)",
     "debug": "check pool and tree integrity whenever the engine goes idle",
+    "tp": "tensor parallelism: ranks the model's heads and MLP are split across (gloo on the CPU, NCCL on CUDA); "
+          "must divide the query and KV heads (1 or 3 for SmolLM2)",
     "host": "address to bind; loopback unless you mean to expose the server",
     "port": "TCP port",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
@@ -148,6 +157,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    choices=CHOICES.get(f.name), metavar=f.name.upper(), help=help_text)  # fmt: skip
 
 
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas")
+    group.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="start N replicas of this server (each on a free loopback port, publishing KV events) "
+                            "and a cache-aware router (radixkv router) on --host/--port in front of them "
+                            "(default: 1, no router)")  # fmt: skip
+
+
 def configs(args: argparse.Namespace, environ=None) -> tuple[EngineConfig, ServerConfig]:
     """Both configs from parsed flags over $RADIXKV_* variables over ``--config FILE``
     over the defaults (radixkv.server.ops.layered); raises ValueError on a bad value or
@@ -164,6 +181,77 @@ def configs(args: argparse.Namespace, environ=None) -> tuple[EngineConfig, Serve
             raise ValueError(f"{name} (from {where}) must be one of {', '.join(CHOICES[name])}, got {value!r}")
     pick = lambda cls: {f.name: values[f.name] for f in dataclasses.fields(cls)}  # noqa: E731
     return EngineConfig(**pick(EngineConfig)), ServerConfig(**pick(ServerConfig))
+
+
+_OWN = {"host", "port", "kv_events", "kv_events_replay", "api_key"}  # set per replica, or passed by environment
+
+
+def replica_flags(engine_config: EngineConfig, server_config: ServerConfig) -> list[str]:
+    """The flags that give a replica these settings (those not at their defaults), but
+    the ones each replica gets its own value of (``_OWN``)."""
+    out: list[str] = []
+    for cfg in (engine_config, server_config):
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if f.name in _OWN or value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                out.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, tuple):
+                out += [flag, *map(str, value)]
+            else:
+                out += [flag, "none" if value is None else str(value)]
+    return out
+
+
+def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, n: int) -> int:
+    """``radixkv serve --replicas N``: N servers with these settings on free loopback ports,
+    each publishing KV events (with a replay socket), then ``radixkv router`` on
+    ``--host``/``--port`` in front of them until SIGINT/SIGTERM; the replicas stop with it."""
+    import os
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixkv.server.process import free_port, launch, stop
+    from radixkv.server.router import RouterConfig
+    from radixkv.server.router import run as run_router
+
+    if n < 1:
+        raise ValueError(f"replicas must be >= 1, got {n}")
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("radixkv.server")
+    flags = replica_flags(engine_config, server_config)
+    if server_config.api_key is not None:
+        os.environ["RADIXKV_API_KEY"] = server_config.api_key  # to the children, never on their command lines
+
+    def start(i: int):
+        ev, replay = free_port(), free_port()
+        cmd = [sys.executable, "-m", "radixkv", "serve", *flags, "--kv-events", f"tcp://127.0.0.1:{ev}",
+               "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]  # fmt: skip
+        return launch(cmd, "/health", f"radixkv replica {i}", timeout=600)
+
+    procs = []
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(start, i) for i in range(n)]
+            for f in futures:
+                try:
+                    procs.append(f.result())
+                except Exception:
+                    for g in futures:  # stop the others that did start
+                        if g is not f and g.exception() is None:
+                            procs.append(g.result())
+                    raise
+        for i, (_, url) in enumerate(procs):
+            log.info("replica %d at %s", i, url)
+        router = RouterConfig(replicas=tuple(url for _, url in procs), host=server_config.host,
+                              port=server_config.port, model=engine_config.model, api_key=server_config.api_key,
+                              log_level=server_config.log_level)  # fmt: skip
+        return run_router(router)
+    finally:
+        for proc, _ in procs:
+            stop(proc)
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:

@@ -1,0 +1,772 @@
+"""``radixkv router``: one HTTP front for N replicas, routing each request where its
+prompt is cached.
+
+    client --> router --(the replica with the least to prefill, plus load)--> replica i
+                  ^                                                             |
+                  +------ KV events: pages stored / removed, per tier ----------+
+
+Modes, per replica:
+
+- **events** (the replica publishes KV events, ``radixkv serve --kv-events``): the router
+  tokenizes the prompt with the model's tokenizer and chat template, chains its pages'
+  block hashes (``radixkv.cache.events``) and reads from each replica's ``BlockIndex``
+  (rebuilt from its events: exact, per tier) how many leading pages it holds on the
+  device and below it (host tier). A replica's cost is the tokens it would prefill
+  (``host_page_cost`` of a page for one promoted from the host tier) plus
+  ``load_weight`` times the prefill still queued there by this router; the lowest wins.
+  Between routing and the replica's events arriving, the routed prompt's pages count as
+  the replica's for ``pending_seconds`` (so a conversation's next turn, or a burst of
+  requests with one prefix, follows it).
+- **approx** (any replica without events): SGLang's approximate mode. A text prefix tree
+  per replica of the prompts routed there (16-character chunks, least recently used out
+  past ``max_tree_chars``); when the in-flight requests are imbalanced (max - min >
+  ``balance_abs_threshold`` and max > ``balance_rel_threshold`` x min) the least loaded
+  replica, else the best match if it covers more than ``cache_threshold`` of the text,
+  else the replica with the smallest tree.
+- **round_robin** (``--policy round_robin``): the baseline.
+
+A replica is healthy while ``GET /health`` answers 200 (checked every
+``health_interval`` seconds and after each failure). A request that cannot reach its
+replica, or whose connection breaks before the answer is complete (non-streaming) or
+before its first byte (streaming), or that gets a 503, is sent to the next best
+healthy replica: no request is lost while one replica lives. Every route the replicas
+serve is forwarded (headers ``Authorization``, ``X-Cache-Salt``, ``X-Session-Id`` too);
+the router's own routes are ``/health``, ``/metrics`` (Prometheus, per replica) and
+``/router/state`` (``?blocks=1``: each index's block hashes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import signal
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
+
+from radixkv.cache.events import BlockIndex, END_SEQ, block_hashes, decode
+from radixkv.model.registry import DEFAULT_MODEL
+from radixkv.validate import check_float, check_int
+
+logger = logging.getLogger("radixkv.router")
+
+POLICIES = ("cache_aware", "round_robin")
+MODES = ("auto", "events", "approx")
+FORWARD_HEADERS = ("authorization", "x-cache-salt", "x-session-id", "content-type", "accept")
+JSON = [(b"content-type", b"application/json")]
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router settings; ``radixkv router``'s flags come from here."""
+
+    replicas: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model: str = DEFAULT_MODEL  # the replicas' model: its tokenizer and chat template (no weights load)
+    policy: str = "cache_aware"
+    mode: str = "auto"  # auto: events where every replica publishes them, else approx
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_chars: int = 1 << 24
+    host_page_cost: float = 0.2
+    load_weight: float = 0.0
+    pending_seconds: float = 10.0
+    health_interval: float = 2.0
+    request_timeout: float = 3600.0
+    max_body_bytes: int = 64 << 20
+    log_level: str = "warning"
+    api_key: str | None = None  # the replicas' key, for the router's own calls (/stats); requests carry their own
+
+    def __post_init__(self):
+        if isinstance(self.replicas, str) or not all(isinstance(r, str) for r in self.replicas):
+            raise ValueError(f"replicas must be a list of base URLs, got {self.replicas!r}")
+        bad = [r for r in self.replicas if not r.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"replicas: {bad[0]!r} is not an http(s):// base URL")
+        object.__setattr__(self, "replicas", tuple(r.rstrip("/") for r in self.replicas))
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_int("port", self.port, 0, 65535)
+        check_int("balance_abs_threshold", self.balance_abs_threshold, 0)
+        check_int("max_tree_chars", self.max_tree_chars, 1)
+        check_int("max_body_bytes", self.max_body_bytes, 1)
+        check_float("cache_threshold", self.cache_threshold, 0.0, 1.0)
+        check_float("balance_rel_threshold", self.balance_rel_threshold, 1.0, 1e9)
+        check_float("host_page_cost", self.host_page_cost, 0.0, 1.0)
+        check_float("load_weight", self.load_weight, 0.0, 1e9)
+        for name in ("pending_seconds", "health_interval", "request_timeout"):
+            check_float(name, getattr(self, name), 0.0, 1e9, lo_open=name != "pending_seconds")
+
+
+# -- approximate mode: a text prefix tree per replica ------------------------------------------------------
+
+CHUNK = 16  # characters per node of the approximate tree
+
+
+class TextTree:
+    """Prompts routed to one replica, as chained hashes of ``CHUNK``-character chunks
+    with their last use; least recently used chunks go past ``max_chars``. ``match``:
+    the characters of the longest cached prefix."""
+
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+        self._chunks: OrderedDict[bytes, None] = OrderedDict()
+
+    @property
+    def chars(self) -> int:
+        return len(self._chunks) * CHUNK
+
+    @staticmethod
+    def _keys(text: str) -> list[bytes]:
+        data, prev, out = text.encode("utf-8", "surrogatepass"), b"", []
+        for i in range(0, len(data) - CHUNK + 1, CHUNK):
+            prev = hashlib.blake2b(prev + data[i : i + CHUNK], digest_size=8).digest()
+            out.append(prev)
+        return out
+
+    def match(self, text: str) -> int:
+        n = 0
+        for k in self._keys(text):
+            if k not in self._chunks:
+                break
+            n += 1
+        return n * CHUNK
+
+    def insert(self, text: str) -> None:
+        for k in self._keys(text):
+            self._chunks[k] = None
+            self._chunks.move_to_end(k)
+        while self.chars > self.max_chars:
+            self._chunks.popitem(last=False)
+
+
+# -- per replica ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    url: str
+    up: bool = False
+    events: dict | None = None  # the replica's kv_events endpoints ({endpoint, replay_endpoint, topic}), if any
+    index: BlockIndex = field(default_factory=BlockIndex)
+    text: TextTree | None = None
+    pending: dict[int, float] = field(default_factory=dict)  # block hash -> until when it counts as cached
+    history: OrderedDict = field(default_factory=OrderedDict)  # block hashes routed here, least recent first
+    inflight: int = 0
+    queued_tokens: float = 0.0  # prefill routed here and not finished
+    requests: int = 0
+    failures: int = 0
+    routed_tokens: int = 0
+    expected_hit_tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    subscriber: EventSubscriber | None = None
+
+
+class Choice(NamedTuple):
+    replica: int
+    prefill: float  # tokens the replica is expected to compute
+    cached: int  # tokens expected from its cache (device and below)
+
+
+def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[int], prompt_tokens: int,
+                   page_size: int, host_page_cost: float, load_weight: float, now: float,
+                   cache_threshold: float = 0.0, abs_threshold: int | None = None,
+                   rel_threshold: float = 1.5) -> Choice:  # fmt: skip
+    """Events mode. Each candidate's cost is the tokens it would prefill (its cached run
+    read from its index, a host-tier page at ``host_page_cost``) plus ``load_weight`` x
+    the prefill queued there. SGLang's structure around it: in-flight requests imbalanced
+    past the thresholds -> the least loaded; else a candidate holding more than
+    ``cache_threshold`` of the prompt -> the least cost; else (a cold prompt) its home
+    (the replica it was routed to before), else the one with the fewest routed pages
+    remembered, so cold work spreads as SGLang's smallest tree spreads it. Ties: fewest
+    in flight, then the lowest index."""
+    rows = []
+    for i in candidates:
+        r = replicas[i]
+        with r.lock:
+            ov = r.index.match(hashes)
+            routed = len(r.history)
+        device, lower = ov.device, ov.lower
+        if r.pending and device + lower < len(hashes):  # just routed here, its events not in yet
+            n = device + lower
+            while n < len(hashes) and r.pending.get(hashes[n], 0.0) > now:
+                n += 1
+            device += n - device - lower
+        cached = min((device + lower) * page_size, max(prompt_tokens - 1, 0))
+        prefill = prompt_tokens - cached + host_page_cost * lower * page_size
+        rows.append((prefill + load_weight * r.queued_tokens, r.inflight, i, routed, Choice(i, prefill, cached)))
+    loads = [row[1] for row in rows]
+    hi, lo = max(loads), min(loads)
+    if abs_threshold is not None and hi - lo > abs_threshold and hi > rel_threshold * lo:
+        return min(rows, key=lambda row: (row[1], row[0], row[2]))[4]
+    best_cached = max(row[4].cached for row in rows)
+    if prompt_tokens and best_cached <= cache_threshold * prompt_tokens:
+        # a cold prompt: back to the replica it was routed to before, if any (its cache lost it
+        # under pressure; sending it there again keeps one home per prefix instead of copies),
+        # else the replica with the fewest routed pages remembered
+        homes = [(_history_match(replicas[row[2]].history, hashes), row) for row in rows]
+        pages, row = max(homes, key=lambda h: (h[0], -h[1][1], -h[1][2]))
+        if pages * page_size > cache_threshold * prompt_tokens:
+            return row[4]
+        return min(rows, key=lambda row: (row[3], row[1], row[2]))[4]
+    return min(rows, key=lambda row: row[:3])[4]
+
+
+def _history_match(history: OrderedDict, hashes: list[int]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in history:
+            break
+        n += 1
+    return n
+
+
+def remember(history: OrderedDict, hashes: list[int], limit: int) -> None:
+    """Note ``hashes`` as routed to a replica (most recent last), keeping ``limit``."""
+    for h in hashes:
+        history[h] = None
+        history.move_to_end(h)
+    while len(history) > limit:
+        history.popitem(last=False)
+
+
+def choose_approx(replicas: list[Replica], candidates: list[int], text: str, cache_threshold: float,
+                  abs_threshold: int, rel_threshold: float) -> int:  # fmt: skip
+    """SGLang's cache-aware rule over approximate text trees (see the module doc)."""
+    loads = [replicas[i].inflight for i in candidates]
+    hi, lo = max(loads), min(loads)
+    if hi - lo > abs_threshold and hi > rel_threshold * lo:
+        return candidates[loads.index(lo)]
+    matches = [replicas[i].text.match(text) for i in candidates]
+    best = max(matches)
+    if text and best / len(text.encode("utf-8", "surrogatepass")) > cache_threshold:
+        return candidates[matches.index(best)]
+    sizes = [replicas[i].text.chars for i in candidates]
+    return candidates[sizes.index(min(sizes))]
+
+
+# -- KV events: one subscriber thread per replica --------------------------------------------------------------
+
+
+class EventSubscriber:
+    """Follows one replica's KV events into its ``BlockIndex``: SUB for the stream, a
+    DEALER on the replay socket for what it missed (at start, after a gap, or when the
+    publisher restarted: its sequence went back). Runs in its own thread until ``stop``."""
+
+    def __init__(self, replica: Replica, endpoint: str, replay: str | None, topic: str):
+        self.replica, self.endpoint, self.replay, self.topic = replica, endpoint, replay, topic.encode()
+        self.next_seq: int | None = None
+        self.gaps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-events {replica.url}", daemon=True)
+
+    def start(self) -> EventSubscriber:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self.endpoint)
+        try:
+            while not self._stop.is_set():
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if self.next_seq is None or seq != self.next_seq:
+                    if self.next_seq is not None and seq < self.next_seq:  # the publisher restarted
+                        with self.replica.lock:
+                            self.replica.index.clear()
+                        self.next_seq = 0
+                    self._catch_up(ctx, seq)
+                if self.next_seq is None or seq == self.next_seq:
+                    self._apply(seq, frames[2])
+        except Exception:
+            logger.exception("kv events of %s: subscriber stopped", self.replica.url)
+        finally:
+            sub.close(0)
+            ctx.term()
+
+    def _catch_up(self, ctx, upto: int) -> None:
+        """Replay batches [next_seq or 0, upto) from the replay socket, when there is one."""
+        import zmq
+
+        start = self.next_seq or 0
+        if self.replay is None or upto <= start:
+            if self.next_seq is not None and upto > start:
+                self.gaps += 1
+            self.next_seq = upto
+            return
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay)
+        try:
+            dealer.send(start.to_bytes(8, "big", signed=True))
+            while dealer.poll(5000):
+                seq_b, payload = dealer.recv_multipart()
+                seq = int.from_bytes(seq_b, "big", signed=True)
+                if seq == END_SEQ:
+                    break
+                if seq < upto and (self.next_seq is None or seq >= self.next_seq):
+                    if self.next_seq is not None and seq > self.next_seq:
+                        self.gaps += 1  # older than the replica's buffer keeps
+                    self._apply(seq, payload)
+        finally:
+            dealer.close(0)
+        if self.next_seq is None or self.next_seq < upto:
+            self.gaps += self.next_seq is not None
+            self.next_seq = upto
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            logger.warning("kv events of %s: batch %d is malformed, skipped", self.replica.url, seq)
+        else:
+            with self.replica.lock:
+                self.replica.index.apply(batch)
+        self.next_seq = seq + 1
+
+
+# -- the HTTP application ------------------------------------------------------------------------------------
+
+
+class Retry(Exception):
+    """This replica failed before anything went to the client: try another."""
+
+
+class Router:
+    """The router's ASGI application over ``config.replicas``."""
+
+    def __init__(self, config: RouterConfig, tokenizer=None, chat_template=None):
+        if not config.replicas:
+            raise ValueError("replicas: give at least one replica URL")
+        self.config = config
+        self.replicas = [Replica(u, text=TextTree(config.max_tree_chars)) for u in config.replicas]
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self._rr = itertools.count()
+        self.retries = 0
+        self.lost = 0
+        self._client = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def load_tokenizer(self) -> None:
+        """The model's tokenizer and chat template (events mode tokenizes prompts)."""
+        from radixkv.model.chat_template import ChatTemplate
+        from radixkv.model.registry import resolve_model
+        from radixkv.model.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.load(resolve_model(self.config.model))
+        self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if self.tokenizer.chat_template else None
+
+    async def start(self) -> None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits)
+        await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))))
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for r in self.replicas:
+            if r.subscriber is not None:
+                r.subscriber.stop()
+        if self._client is not None:
+            await self._client.aclose()
+
+    @property
+    def mode(self) -> str:
+        """``events`` when every replica publishes KV events (and the mode allows), else ``approx``."""
+        if self.config.mode == "approx":
+            return "approx"
+        if all(r.events for r in self.replicas):
+            return "events"
+        return "approx"
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))), return_exceptions=True)
+
+    async def _check(self, i: int) -> None:
+        """Health, and the replica's event endpoints once (subscribing to them)."""
+        r = self.replicas[i]
+        headers = self._auth()
+        try:
+            resp = await self._client.get(r.url + "/health", timeout=5.0)
+            up = resp.status_code == 200
+        except Exception:
+            up = False
+        if up and r.events is None and self.config.mode != "approx":
+            try:
+                stats = (await self._client.get(r.url + "/stats", headers=headers, timeout=10.0)).json()
+                ev = stats.get("kv_events")
+            except Exception:
+                ev = None
+            if ev:
+                r.events = ev
+                r.subscriber = EventSubscriber(r, ev["endpoint"], ev.get("replay_endpoint"), ev.get("topic", "")).start()
+            else:
+                r.events = {}
+        if up != r.up:
+            logger.warning("replica %s is %s", r.url, "up" if up else "down")
+        r.up = up
+
+    def _auth(self) -> dict:
+        key = self.config.api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    # -- routing ---------------------------------------------------------------------------------------------
+
+    def prompt(self, path: str, body: dict, salt: str | None) -> tuple[list[int] | None, str]:
+        """The request's prompt as token ids (None when they cannot be known here) and as
+        text (approximate mode)."""
+        ids, text = None, ""
+        try:
+            if path == "/v1/chat/completions":
+                messages = body.get("messages") or []
+                text = "".join(f"{m.get('role', '')}:{_content_text(m.get('content'))}\n" for m in messages)
+                if self.chat_template is not None and self.mode == "events":
+                    msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+                    ids = self.chat_template.encode(self.tokenizer, msgs, add_generation_prompt=True)
+            else:
+                prompt = body.get("prompt") if path == "/v1/completions" else body.get("input_ids", body.get("text"))
+                if isinstance(prompt, list) and len(prompt) == 1:
+                    prompt = prompt[0]
+                if isinstance(prompt, str):
+                    text = prompt
+                    if self.tokenizer is not None and self.mode == "events":
+                        ids = self.tokenizer.encode(prompt)
+                elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                    ids, text = prompt, " ".join(map(str, prompt))
+        except Exception:  # a prompt the replica will refuse with a clear error: route it anywhere
+            ids = None
+        return ids, text
+
+    def route(self, path: str, body: dict, salt: str | None, exclude: set[int]) -> Choice | None:
+        """Pick the replica for a request (None: no healthy one left)."""
+        cands = [i for i, r in enumerate(self.replicas) if r.up and i not in exclude]
+        if not cands:
+            cands = [i for i, r in enumerate(self.replicas) if i not in exclude]  # health may lag: try anyway
+            if not cands:
+                return None
+        cfg = self.config
+        if cfg.policy == "round_robin":
+            return Choice(cands[next(self._rr) % len(cands)], 0.0, 0)
+        ids, text = self.prompt(path, body, salt)
+        if self.mode == "events" and ids is not None:
+            ps = next((r.index.page_size for r in self.replicas if r.index.page_size), None) or 16
+            hashes = block_hashes(ids, salt, ps)
+            now = time.monotonic()
+            choice = choose_by_cost(self.replicas, cands, hashes, len(ids), ps, cfg.host_page_cost, cfg.load_weight,
+                                    now, cfg.cache_threshold, cfg.balance_abs_threshold,
+                                    cfg.balance_rel_threshold)  # fmt: skip
+            r = self.replicas[choice.replica]
+            until = now + cfg.pending_seconds
+            if len(r.pending) > 1 << 20:
+                r.pending = {h: t for h, t in r.pending.items() if t > now}
+            for h in hashes:
+                r.pending[h] = until
+            remember(r.history, hashes, max(cfg.max_tree_chars // ps, 1))
+            return choice
+        i = choose_approx(self.replicas, cands, text, cfg.cache_threshold, cfg.balance_abs_threshold,
+                          cfg.balance_rel_threshold)  # fmt: skip
+        self.replicas[i].text.insert(text)
+        return Choice(i, float(len(text)), 0)
+
+    # -- ASGI ----------------------------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    try:
+                        await self.start()
+                    except Exception as e:
+                        await send({"type": "lifespan.startup.failed", "message": str(e)})
+                        return
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await self.close()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/health":
+            ok = any(r.up for r in self.replicas)
+            return await _send(send, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no replica"}')
+        if method == "GET" and path == "/metrics":
+            return await _send(send, 200, self.metrics().encode(), [(b"content-type", b"text/plain; version=0.0.4")])
+        if method == "GET" and path == "/router/state":
+            blocks = b"blocks=1" in scope.get("query_string", b"")
+            return await _send(send, 200, msgspec.json.encode(self.state(blocks)))
+        body = await _read(receive, self.config.max_body_bytes)
+        if body is None:
+            return await _send(send, 413, _error(f"request body is over the limit of {self.config.max_body_bytes} "
+                                                 "bytes", "max_body_bytes"))  # fmt: skip
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        await self.forward(scope, headers, body, send)
+
+    async def forward(self, scope, headers: dict, body: bytes, send) -> None:
+        """Send the request to the chosen replica; on failure before anything reached the
+        client, to the next one."""
+        path = scope["path"]
+        parsed: dict = {}
+        if path in GENERATION_ROUTES and scope["method"] == "POST":
+            try:
+                parsed = msgspec.json.decode(body)
+            except msgspec.DecodeError:
+                parsed = {}
+            if not isinstance(parsed, dict):
+                parsed = {}
+        salt = headers.get("x-cache-salt") or parsed.get("cache_salt")
+        stream = bool(parsed.get("stream"))
+        fwd = {k: v for k, v in headers.items() if k in FORWARD_HEADERS}
+        url_tail = path + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
+        tried: set[int] = set()
+        while True:
+            choice = self.route(path, parsed, salt, tried) if parsed else self._any(tried)
+            if choice is None:
+                self.lost += 1
+                return await _send(send, 503, _error("no replica could serve the request", None))
+            tried.add(choice.replica)
+            r = self.replicas[choice.replica]
+            r.inflight += 1
+            r.queued_tokens += choice.prefill
+            r.requests += 1
+            if parsed:
+                r.expected_hit_tokens += choice.cached
+            try:
+                await self._proxy(r, scope["method"], url_tail, fwd, body, stream, send)
+                return
+            except Retry:
+                r.failures += 1
+                r.up = False
+                self.retries += 1
+                asyncio.create_task(self._check(choice.replica))
+            finally:
+                r.inflight -= 1
+                r.queued_tokens -= choice.prefill
+
+    def _any(self, exclude: set[int]) -> Choice | None:
+        cands = [i for i, r in enumerate(self.replicas) if r.up and i not in exclude] or \
+                [i for i in range(len(self.replicas)) if i not in exclude]  # fmt: skip
+        return Choice(cands[next(self._rr) % len(cands)], 0.0, 0) if cands else None
+
+    async def _proxy(self, r: Replica, method: str, url_tail: str, headers: dict, body: bytes, stream: bool,
+                     send) -> None:  # fmt: skip
+        import httpx
+
+        req = self._client.build_request(method, r.url + url_tail, headers=headers, content=body)
+        try:
+            resp = await self._client.send(req, stream=True)
+        except httpx.TransportError:
+            raise Retry from None
+        try:
+            if resp.status_code == 503:
+                raise Retry
+            out_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
+                           if k.lower() in ("content-type", "cache-control", "x-request-id")]  # fmt: skip
+            if not stream:
+                try:
+                    data = await resp.aread()
+                except httpx.TransportError:
+                    raise Retry from None
+                return await _send(send, resp.status_code, data, out_headers)
+            it = resp.aiter_raw()
+            try:
+                first = await it.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except httpx.TransportError:
+                raise Retry from None
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            try:
+                async for chunk in it:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.TransportError:  # the replica died mid-stream: say so as the last event
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"data: " + _error("the replica serving this stream failed", None) + b"\n\n"})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await resp.aclose()
+
+    # -- observability --------------------------------------------------------------------------------------
+
+    def state(self, blocks: bool = False) -> dict:
+        out = {"mode": self.mode if self.config.policy == "cache_aware" else "round_robin", "retries": self.retries,
+               "lost": self.lost, "replicas": []}  # fmt: skip
+        for r in self.replicas:
+            with r.lock:
+                item = {"url": r.url, "up": r.up, "events": bool(r.events), "inflight": r.inflight,
+                        "requests": r.requests, "failures": r.failures, "expected_hit_tokens": r.expected_hit_tokens,
+                        "index": {"device": len(r.index.device), **{m: len(s) for m, s in r.index.lower.items()},
+                                  "batches": r.index.batches},
+                        "text_tree_chars": r.text.chars}  # fmt: skip
+                if r.subscriber is not None:
+                    item["index"]["next_seq"] = r.subscriber.next_seq
+                    item["index"]["gaps"] = r.subscriber.gaps
+                if blocks:
+                    item["blocks"] = r.index.blocks()
+            out["replicas"].append(item)
+        return out
+
+    def metrics(self) -> str:
+        lines = []
+
+        def metric(name: str, kind: str, help_: str, values: list[tuple[str, float]]):
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(f"{name}{labels} {value}" for labels, value in values)
+
+        per = [(f'{{replica="{r.url}"}}', r) for r in self.replicas]
+        metric("radixkv_router_replica_up", "gauge", "1 while the replica answers /health",
+               [(lb, int(r.up)) for lb, r in per])  # fmt: skip
+        metric("radixkv_router_requests_total", "counter", "requests sent to the replica (retries included)",
+               [(lb, r.requests) for lb, r in per])  # fmt: skip
+        metric("radixkv_router_failures_total", "counter", "requests the replica failed (then retried elsewhere)",
+               [(lb, r.failures) for lb, r in per])  # fmt: skip
+        metric("radixkv_router_inflight", "gauge", "requests in flight at the replica", [(lb, r.inflight) for lb, r in per])
+        metric("radixkv_router_expected_hit_tokens_total", "counter", "prompt tokens routed to a replica holding them",
+               [(lb, r.expected_hit_tokens) for lb, r in per])  # fmt: skip
+        metric("radixkv_router_index_blocks", "gauge", "pages the replica's events say it holds, by medium",
+               [(f'{{replica="{r.url}",medium="{m}"}}', n) for r in self.replicas
+                for m, n in (("GPU", len(r.index.device)), *((k, len(s)) for k, s in r.index.lower.items()))])
+        metric("radixkv_router_retries_total", "counter", "requests sent again after their replica failed",
+               [("", self.retries)])  # fmt: skip
+        metric("radixkv_router_lost_total", "counter", "requests no replica could serve", [("", self.lost)])
+        return "\n".join(lines) + "\n"
+
+
+def _content_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _error(message: str, param: str | None) -> bytes:
+    return msgspec.json.encode({"error": {"message": message, "type": "router_error", "param": param}})
+
+
+async def _read(receive, limit: int) -> bytes | None:
+    chunks, size, more = [], 0, True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return b""
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        more = msg.get("more_body", False)
+    return b"".join(chunks)
+
+
+async def _send(send, status: int, body: bytes, headers=JSON) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+HELP = {
+    "replicas": "the replicas' base URLs (http://127.0.0.1:30001 ...)",
+    "host": "address to bind; loopback unless you mean to expose the router",
+    "port": "TCP port",
+    "model": "the replicas' model (registry name, GGUF file or HF directory): its tokenizer and chat template "
+             "turn prompts into the pages their KV events name (no weights load)",
+    "policy": "cache_aware (events where every replica publishes them, else SGLang's approximate text tree) or "
+              "round_robin",
+    "mode": "auto (events where every replica publishes KV events, else approx), events, approx",
+    "cache_threshold": "approx mode: the share of a prompt the best replica's text tree must match to win",
+    "balance_abs_threshold": "approx mode: in-flight requests between the busiest and idlest replica past which the "
+                             "idlest wins (with balance_rel_threshold)",
+    "balance_rel_threshold": "approx mode: and the busiest has this many times the idlest's",
+    "max_tree_chars": "approx mode: characters each replica's text tree keeps (least recently used out)",
+    "host_page_cost": "events mode: what a page in a replica's host tier costs, as a share of computing it",
+    "load_weight": "events mode: weight of the prefill tokens already queued at a replica against the tokens "
+                   "a request would prefill there (0: load counts through the balance thresholds only; replicas "
+                   "that share compute gain nothing from spreading prefill)",
+    "pending_seconds": "events mode: how long a routed prompt's pages count as its replica's before its events come",
+    "health_interval": "seconds between health checks of each replica",
+    "request_timeout": "seconds a forwarded request may take",
+    "max_body_bytes": "largest request body accepted (413 above it)",
+    "log_level": "log level: critical, error, warning, info, debug",
+    "api_key": "the replicas' API key, for the router's own calls to them (/stats); clients' requests carry "
+               "their own Authorization header through",
+}
+
+
+def add_arguments(parser) -> None:
+    """``radixkv router``'s flags, one per RouterConfig field."""
+    import dataclasses
+
+    for f in dataclasses.fields(RouterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "replicas":
+            parser.add_argument("--replica", "--replicas", dest="replicas", nargs="+", required=True, metavar="URL",
+                                help=HELP[f.name])  # fmt: skip
+            continue
+        kind = {"int": int, "float": float}.get(f.type, str)
+        choices = {"policy": POLICIES, "mode": MODES,
+                   "log_level": ("critical", "error", "warning", "info", "debug")}.get(f.name)  # fmt: skip
+        parser.add_argument(flag, type=kind, default=f.default, choices=choices, metavar=f.name.upper(),
+                            help=f"{HELP[f.name]} (default: {f.default})")  # fmt: skip
+
+
+def config_from(args) -> RouterConfig:
+    import dataclasses
+
+    return RouterConfig(**{f.name: (tuple(getattr(args, f.name)) if f.name == "replicas" else getattr(args, f.name))
+                           for f in dataclasses.fields(RouterConfig)})  # fmt: skip
+
+
+def run(config: RouterConfig) -> int:
+    """Serve the router until SIGINT/SIGTERM."""
+    import uvicorn
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    router = Router(config)
+    if config.policy == "cache_aware" and config.mode != "approx":
+        router.load_tokenizer()
+    server = uvicorn.Server(uvicorn.Config(router, host=config.host, port=config.port, lifespan="on",
+                                           log_level=config.log_level, access_log=False))  # fmt: skip
+    # uvicorn re-raises SIGINT/SIGTERM to the handler that was there before once it has shut
+    # down: make that a no-op, so a clean shutdown exits 0 instead of dying by the signal
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,253 @@
+"""``radixkv router`` over replicas fed by their KV events, and ``radixkv serve
+--replicas N`` which starts both: real processes, the official openai client.
+
+After a mixed workload with evictions (and demotions to a host tier) the router's index
+of each replica equals the replica's cache at idle, page for page, on both media; a
+conversation's turns follow the replica that holds it; routing decisions on constructed
+states; a replica killed mid-run: its requests are retried elsewhere, none lost."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from radixkv.cache.events import BlockIndex, BlockRemoved, BlockStored, KVEventBatch, block_hashes
+from radixkv.server.process import launch, stop
+from radixkv.server.router import Choice, Replica, TextTree, choose_approx, choose_by_cost
+
+PAGE = 16
+
+
+# -- routing decisions on constructed states -------------------------------------------------------------------
+
+
+def replica_holding(*prompts, host=(), inflight=0, queued=0.0) -> Replica:
+    r = Replica("http://r")
+    for p, medium in [(p, "GPU") for p in prompts] + [(p, "CPU") for p in host]:
+        r.index.apply(KVEventBatch(0.0, [BlockStored(block_hashes(p, None, PAGE), None, list(p), PAGE, None, medium)]))
+    r.inflight, r.queued_tokens = inflight, queued
+    return r
+
+
+def test_cost_picks_the_replica_holding_the_prefix():
+    doc = list(range(1, 161))  # 10 pages
+    prompt = doc + [7] * 20
+    hashes = block_hashes(prompt, None, PAGE)
+    reps = [replica_holding(), replica_holding(doc[:80]), replica_holding(doc)]
+    c = choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0)
+    assert c == Choice(2, 20.0, 160)
+    # the same replica, loaded with more queued prefill than the saving: the next best
+    reps[2].queued_tokens = 500.0
+    assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0).replica == 1
+    # a host-tier copy costs host_page_cost of computing a page
+    reps = [replica_holding(), replica_holding(doc[:32], host=[doc])]
+    c = choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.25, 1.0, 0.0)
+    assert c.replica == 1 and c.cached == 160 and c.prefill == 20 + 0.25 * 128
+    # a salted request never matches unsalted pages: a cold prompt goes where least was routed
+    from radixkv.server.router import remember
+
+    salted = block_hashes(prompt, "tenant", PAGE)
+    reps = [replica_holding(doc, inflight=0), replica_holding(doc[:16], inflight=3)]
+    remember(reps[0].history, block_hashes(doc, None, PAGE), 100)
+    assert choose_by_cost(reps, [0, 1], salted, len(prompt), PAGE, 0.2, 1.0, 0.0) == Choice(1, 180.0, 0)
+    # under cache_threshold of the prompt cached counts as cold too; imbalance goes to the least loaded
+    reps = [replica_holding(doc[:16]), replica_holding()]
+    remember(reps[0].history, block_hashes(doc[:16], None, PAGE), 100)
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, cache_threshold=0.3).replica == 1
+    reps = [replica_holding(doc, inflight=100), replica_holding(inflight=10)]
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3, 64, 1.5).replica == 1
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3, 100, 1.5).replica == 0
+
+
+def test_a_cold_prompt_goes_back_to_its_home():
+    """A prefix every replica lost goes back to the replica it was routed to before (one home,
+    not a copy per replica); without one, to the replica with the fewest routed pages."""
+    from collections import OrderedDict
+
+    from radixkv.server.router import remember
+
+    prompt = list(range(1, 200))
+    hashes = block_hashes(prompt, None, PAGE)
+    reps = [replica_holding(), replica_holding(list(range(500, 900))), replica_holding(list(range(900, 1000)))]
+    assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3).replica == 0
+    reps[1].history = OrderedDict()
+    remember(reps[1].history, hashes, 100)
+    assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3).replica == 1
+    remember(reps[1].history, list(range(1000, 1100)), 100)  # pushed out of the bounded history
+    assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3).replica == 0
+
+
+def test_pending_pages_count_until_their_events_come():
+    prompt = list(range(1, 100))
+    hashes = block_hashes(prompt, None, PAGE)
+    reps = [replica_holding(), replica_holding()]
+    reps[1].pending = {h: 10.0 for h in hashes}
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 1.0, 5.0).replica == 1
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 1.0, 11.0).replica == 0  # expired
+
+
+def test_index_follows_removals_and_clears():
+    idx = BlockIndex()
+    doc = list(range(1, 65))
+    h = block_hashes(doc, None, PAGE)
+    idx.apply(KVEventBatch(0.0, [BlockStored(h, None, doc, PAGE, None, "GPU")]))
+    assert idx.match(h) == (4, 0)
+    idx.apply(KVEventBatch(0.0, [BlockRemoved(h[2:], "GPU"), BlockStored(h[2:], h[1], doc[32:], PAGE, None, "CPU")]))
+    assert idx.match(h) == (2, 2)
+    from radixkv.cache.events import AllBlocksCleared
+
+    idx.apply(KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert idx.match(h) == (0, 0) and len(idx) == 0
+
+
+def test_approx_mode_follows_sglang_rules():
+    reps = [Replica(f"http://r{i}", text=TextTree(1 << 20)) for i in range(3)]
+    text = "system: you are a helpful assistant. " * 8
+    reps[1].text.insert(text)
+    assert choose_approx(reps, [0, 1, 2], text + "user: hi", 0.3, 64, 1.5) == 1  # best match over the threshold
+    reps[0].text.insert("x" * 64)
+    reps[2].text.insert("y" * 32)
+    assert choose_approx(reps, [0, 1, 2], "a new prompt entirely " * 4, 0.3, 64, 1.5) == 2  # else the smallest tree
+    reps[1].inflight, reps[0].inflight, reps[2].inflight = 100, 10, 20
+    assert choose_approx(reps, [0, 1, 2], text, 0.3, 64, 1.5) == 0  # imbalanced: the least loaded
+    tree = TextTree(64)
+    tree.insert("a" * 200)
+    assert tree.chars <= 64
+
+
+# -- real processes -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """`radixkv serve --replicas 3` (small pools, a host tier: evictions and demotions)."""
+    log = tmp_path_factory.mktemp("router") / "serve.log"
+    cmd = [sys.executable, "-m", "radixkv", "serve", "--replicas", "3", "--attention-backend", "torch",
+           "--kv-cache-tokens", "512", "--host-cache-bytes", str(24 * 720 * 1024)]  # fmt: skip
+    proc, url = launch(cmd, "/health", "radixkv serve --replicas 3", timeout=600, log_path=log)
+    try:
+        http = httpx.Client(base_url=url, timeout=300)
+        state = http.get("/router/state").json()
+        yield proc, url, http, state
+        http.close()
+    finally:
+        code = stop(proc, timeout=60)
+    assert code == 0
+    for r in state["replicas"]:  # the replicas stopped with it
+        with pytest.raises(httpx.TransportError):
+            httpx.get(r["url"] + "/health", timeout=2)
+
+
+def wait_idle(urls: list[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    for u in urls:
+        while True:
+            try:
+                s = httpx.get(u + "/stats", timeout=10).json()
+            except httpx.TransportError:
+                break  # a replica that is down is idle
+            if not s["running"] and not s["waiting"]:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+FEW_SHOT = "".join(f"Question {i}: what is {i} plus {i}? Answer: {2 * i}.\n" for i in range(14))
+
+
+def test_replicas_publish_events_and_the_router_uses_them(cluster):
+    _, _, http, state = cluster
+    assert state["mode"] == "events" and len(state["replicas"]) == 3
+    assert all(r["up"] and r["events"] for r in state["replicas"])
+
+
+def test_router_index_equals_replicas_at_idle(cluster):
+    _, url, http, state = cluster
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    urls = [r["url"] for r in state["replicas"]]
+
+    def conversation(k: int) -> list[int]:
+        messages, cached = [{"role": "system", "content": f"You are assistant number {k}. Be brief."}], []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Tell me fact {turn} about the number {k * 7 + turn}."})
+            out = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
+                                                 temperature=0)  # fmt: skip
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": out.choices[0].message.content})
+        return cached
+
+    def few_shot(i: int) -> int:
+        out = client.completions.create(model="smollm2-135m-instruct", prompt=FEW_SHOT + f"Question: {i} plus 1?",
+                                        max_tokens=4, temperature=0)  # fmt: skip
+        return out.usage.prompt_tokens_details.cached_tokens if out.usage.prompt_tokens_details else 0
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        convs = [pool.submit(conversation, k) for k in range(12)]
+        shots = [pool.submit(few_shot, i) for i in range(8)]
+        cached = [f.result() for f in convs]
+        shot_cached = [f.result() for f in shots]
+    # a conversation's later turns come back to the replica holding its earlier turns (pools
+    # this small evict some between turns; round robin would send 2 of 3 elsewhere)
+    later = [c[t] > 0 for c in cached for t in (1, 2)]
+    assert sum(later) >= 0.75 * len(later), cached
+    assert sum(shot_cached) > 0
+    wait_idle(urls)
+    evicted = sum(httpx.get(u + "/stats").json()["cache"]["evicted_pages"] for u in urls)
+    assert evicted > 0  # pools of 32 pages: the workload did not fit
+    deadline = time.monotonic() + 20
+    while True:
+        routed = http.get("/router/state", params={"blocks": 1}).json()["replicas"]
+        truth = [httpx.get(u + "/debug/kv_blocks").json() for u in urls]
+        diverged = sum(len(set(r["blocks"].get(m, [])) ^ set(t[m])) for r, t in zip(routed, truth) for m in ("GPU", "CPU"))
+        if diverged == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert diverged == 0
+    assert any(t["CPU"] for t in truth)  # demotions to the host tier were followed too
+    for u in urls:
+        assert httpx.get(u + "/debug/integrity").status_code == 200
+
+
+def test_metrics_per_replica(cluster):
+    _, _, http, state = cluster
+    text = http.get("/metrics").text
+    for r in state["replicas"]:
+        assert f'radixkv_router_replica_up{{replica="{r["url"]}"}} 1' in text
+        assert f'radixkv_router_index_blocks{{replica="{r["url"]}",medium="GPU"}}' in text
+
+
+def test_a_killed_replica_loses_no_request(cluster):
+    """Runs last: it kills one replica of the module's cluster."""
+    proc, url, http, state = cluster
+    victim = state["replicas"][0]["url"]
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    pid = next(int(p) for p in children if f"--port {victim.rsplit(':', 1)[1]}" in open(f"/proc/{p}/cmdline").read()
+               .replace("\0", " "))  # fmt: skip
+    prompts = [f"Write a long story about a cat named {name}." for name in "ABCDEFGHIJKL"]
+
+    def ask(p: str) -> int:
+        r = httpx.post(url + "/generate", json={"text": p, "sampling_params": {"max_new_tokens": 48, "temperature": 0}},
+                       timeout=300)  # fmt: skip
+        return r.status_code
+
+    with cf.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(ask, p) for p in prompts]
+        deadline = time.monotonic() + 60
+        while httpx.get(victim + "/stats").json()["running"] == 0:  # the victim is serving some
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        codes = [f.result() for f in futures]
+    assert codes == [200] * len(prompts)
+    after = http.get("/router/state").json()
+    assert after["retries"] >= 1 and after["lost"] == 0
+    assert not after["replicas"][0]["up"]
+    assert http.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
