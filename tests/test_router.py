@@ -227,10 +227,9 @@ def test_metrics_per_replica(cluster):
 def test_a_killed_replica_loses_no_request(cluster):
     """Runs last: it kills one replica of the module's cluster."""
     proc, url, http, state = cluster
-    victim = state["replicas"][0]["url"]
+    urls = [r["url"] for r in state["replicas"]]
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    pid = next(int(p) for p in children if f"--port {victim.rsplit(':', 1)[1]}" in open(f"/proc/{p}/cmdline").read()
-               .replace("\0", " "))  # fmt: skip
+    cmdlines = {int(p): open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in children}
     prompts = [f"Write a long story about a cat named {name}." for name in "ABCDEFGHIJKL"]
 
     def ask(p: str) -> int:
@@ -240,14 +239,17 @@ def test_a_killed_replica_loses_no_request(cluster):
 
     with cf.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(ask, p) for p in prompts]
-        deadline = time.monotonic() + 60
-        while httpx.get(victim + "/stats").json()["running"] == 0:  # the victim is serving some
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None:  # a replica serving some of them
             assert time.monotonic() < deadline
+            victim = next((u for u in urls if httpx.get(u + "/stats").json()["running"]), None)
             time.sleep(0.05)
+        pid = next(p for p, cmd in cmdlines.items() if f"--port {victim.rsplit(':', 1)[1]} " in cmd + " ")
         os.kill(pid, signal.SIGKILL)
         codes = [f.result() for f in futures]
     assert codes == [200] * len(prompts)
     after = http.get("/router/state").json()
     assert after["retries"] >= 1 and after["lost"] == 0
-    assert not after["replicas"][0]["up"]
+    assert not after["replicas"][urls.index(victim)]["up"]
     assert http.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 2}}).status_code == 200

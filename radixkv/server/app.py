@@ -1136,7 +1136,7 @@ class Server:
         try:
             blocks = await asyncio.to_thread(self.engine.kv_blocks)
         except ValueError as e:
-            raise P.ApiError(404, str(e), "kv_events") from None
+            raise P.ApiError(409, str(e), "kv_events") from None
         await http.send(200, P.encode(blocks))
 
     async def integrity(self, http: Http) -> None:
