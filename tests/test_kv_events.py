@@ -14,7 +14,7 @@ import pytest
 from radixkv.cache import KVCacheManager, KVPool, PoolConfig, RadixCache, SeqKV
 from radixkv.cache.events import (
     MEDIUM_DEVICE, MEDIUM_HOST, AllBlocksCleared, BlockIndex, BlockStored, KVEventRecorder, ZmqEventPublisher,
-    block_hashes, check_endpoint, decode, encode, KVEventBatch, tree_blocks,
+    block_hashes, check_endpoint, decode, encode, hash_of, KVEventBatch, tree_blocks,
 )  # fmt: skip
 from radixkv.cache.tiers import HostTier, KVTiers
 
@@ -56,7 +56,7 @@ class Replica:
         self.kv.check([])  # also: the recorder's device pages are the tree's
         self.sync()
         assert self.index.device == tree_blocks(self.tree)
-        assert self.index.lower.get(MEDIUM_HOST, set()) == set(self.events.host.values())
+        assert self.index.lower.get(MEDIUM_HOST, set()) == set(map(hash_of, self.events.host.values()))
         if self.tiers is not None:
             assert len(self.events.host) == len(self.tiers.host)
 

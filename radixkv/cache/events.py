@@ -11,13 +11,14 @@ page that leaves the device for the host tier is removed from ``GPU`` and stored
 ``CPU``; a page promoted back is stored on ``GPU`` again (the host keeps its copy).
 The store below them (LMDB, Redis) is shared or bounded by itself, so it is not tracked.
 
-A page's *block hash* is a chain over whole pages, from a seed of the cache salt and the
-page size:
+A page's *block hash* comes from its key in the chain the tiers' keys use
+(``store.page_keys``: SHA-256 over whole pages' token ids), here from a seed of the cache
+salt and the page size alone, so a router can compute it:
 
-    seed(salt)  --H-->  h0 = H(seed, page 0 tokens)  --H-->  h1 = H(h0, page 1 tokens) ...
+    key_seed(salt)  -->  k0 = H(seed, page 0 tokens)  -->  k1 = H(k0, page 1 tokens) ...
 
-``H`` is BLAKE2b with an 8-byte digest, read big-endian and shifted to 63 bits (a
-non-negative int64). A router computes the same chain over a request's tokens
+and the hash is a key's first 8 bytes, big-endian, shifted to 63 bits (a non-negative
+int64: ``hash_of``). A router computes the same chain over a request's tokens
 (``block_hashes``) and looks the hashes up: exact, page by page. Long-context views'
 pages (computed on a reduced context) are never published: no request matches them
 exactly.
@@ -45,6 +46,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 import numpy as np
+
+from radixkv.cache.store import page_keys
 
 logger = logging.getLogger("radixkv.events")
 
@@ -104,30 +107,21 @@ def decode(payload: bytes) -> KVEventBatch:
 # -- block hashes ----------------------------------------------------------------------------------
 
 
-def hash_seed(salt: str | None, page_size: int) -> int:
+def key_seed(salt: str | None, page_size: int) -> bytes:
     """The chain's start for a cache salt (None: no salt)."""
     text = f"radixkv-kv-events/page_size={page_size}/salt=" + ("" if salt is None else "s:" + salt)
-    return _h(text.encode())
+    return hashlib.sha256(text.encode()).digest()
 
 
-def _h(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
-
-
-def chain(prev: int, tokens: np.ndarray, page_size: int) -> list[int]:
-    """Hashes of the whole pages of ``tokens`` (int32) following a page hashed ``prev``."""
-    data = np.ascontiguousarray(tokens, dtype="<i4")
-    out = []
-    for i in range(len(data) // page_size):
-        prev = _h(prev.to_bytes(8, "big") + data[i * page_size : (i + 1) * page_size].tobytes())
-        out.append(prev)
-    return out
+def hash_of(key: bytes) -> int:
+    """A page key's block hash: its first 8 bytes, big-endian, as a non-negative int64."""
+    return int.from_bytes(key[:8], "big") >> 1
 
 
 def block_hashes(tokens, salt: str | None, page_size: int) -> list[int]:
     """The block hashes of the whole pages of ``tokens`` under ``salt``: what a replica
-    publishes for them once cached."""
-    return chain(hash_seed(salt, page_size), np.asarray(tokens, dtype=np.int64), page_size)
+    publishes for them once cached. ValueError for ids outside [0, 2^32)."""
+    return [hash_of(k) for k in page_keys(key_seed(salt, page_size), tokens, page_size)]
 
 
 def _exact(namespace) -> bool:
@@ -143,10 +137,10 @@ def tree_blocks(tree) -> set[int]:
         if not _exact(node.namespace):
             continue
         parent = node.parent
-        prev = last[id(parent)] if parent.parent is not None else hash_seed(node.namespace, ps)
-        hashes = chain(prev, np.frombuffer(node.key, dtype=np.int32), ps)
-        last[id(node)] = hashes[-1]
-        out.update(hashes)
+        prev = last[id(parent)] if parent.parent is not None else key_seed(node.namespace, ps)
+        keys = page_keys(prev, np.frombuffer(node.key, dtype=np.int32), ps)
+        last[id(node)] = keys[-1]
+        out.update(map(hash_of, keys))
     return out
 
 
@@ -154,14 +148,15 @@ def tree_blocks(tree) -> set[int]:
 
 
 class KVEventRecorder:
-    """Turns the cache's changes into queued events. ``device``: page id -> block hash of
-    every published page the tree holds; ``host``: host-tier key -> block hash.
-    Single-threaded (the engine's loop); ``take`` hands the queue over."""
+    """Turns the cache's changes into queued events. ``device``: page id -> page key
+    (``store.page_keys`` from ``key_seed``) of every published page the tree holds;
+    ``host``: host-tier key -> page key. Single-threaded (the engine's loop); ``take``
+    hands the queue over."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.device: dict[int, int] = {}
-        self.host: dict[bytes, int] = {}
+        self.device: dict[int, bytes] = {}
+        self.host: dict[bytes, bytes] = {}
         self._events: list[KVCacheEvent] = [AllBlocksCleared()]
         self.published_events = 0
 
@@ -176,26 +171,27 @@ class KVEventRecorder:
         if not _exact(leaf.namespace):
             return
         parent, ps = leaf.parent, self.page_size
-        parent_hash = None
+        parent_key = None
         if parent.parent is not None:
-            parent_hash = self.device.get(int(parent.pages[-1]))
-            if parent_hash is None:  # its prefix was never published: nothing to chain from
+            parent_key = self.device.get(int(parent.pages[-1]))
+            if parent_key is None:  # its prefix was never published: nothing to chain from
                 return
         tokens = np.frombuffer(leaf.key, dtype=np.int32)
-        hashes = chain(parent_hash if parent_hash is not None else hash_seed(leaf.namespace, ps), tokens, ps)
-        self.device.update(zip(leaf.pages.tolist(), hashes))
-        self._events.append(BlockStored(hashes, parent_hash, tokens.tolist(), ps, None, MEDIUM_DEVICE))
+        keys = page_keys(parent_key or key_seed(leaf.namespace, ps), tokens, ps)
+        self.device.update(zip(leaf.pages.tolist(), keys))
+        self._events.append(BlockStored([hash_of(k) for k in keys], _hash(parent_key), tokens.tolist(), ps, None,
+                                        MEDIUM_DEVICE))  # fmt: skip
 
-    def evicting(self, leaf, keep: int) -> tuple[list[int], int | None, np.ndarray] | None:
+    def evicting(self, leaf, keep: int) -> tuple[list[bytes], bytes | None, np.ndarray] | None:
         """The device drops ``leaf.pages[keep:]`` (the leaf still whole): queue their
-        removal; return (hashes, hash of the page before them, their tokens) for a tier
-        below that keeps them, or None when they were never published."""
+        removal; return (their keys, the key of the page before them, their tokens) for a
+        tier below that keeps them, or None when they were never published."""
         pages = leaf.pages[keep:].tolist()
-        hashes = [h for h in map(self.device.pop, pages, [None] * len(pages)) if h is not None]
-        if not hashes:
+        keys = [k for k in (self.device.pop(p, None) for p in pages) if k is not None]
+        if not keys:
             return None
-        self._events.append(BlockRemoved(hashes, MEDIUM_DEVICE))
-        if len(hashes) != len(pages):
+        self._events.append(BlockRemoved([hash_of(k) for k in keys], MEDIUM_DEVICE))
+        if len(keys) != len(pages):
             return None
         if keep:
             before = self.device.get(int(leaf.pages[keep - 1]))
@@ -204,33 +200,33 @@ class KVEventRecorder:
         else:
             before = None
         tokens = np.frombuffer(leaf.key, dtype=np.int32)[keep * self.page_size :]
-        return hashes, before, tokens
+        return keys, before, tokens
 
-    def demoted(self, moved: tuple[list[int], int | None, np.ndarray], keys: list[bytes],
+    def demoted(self, moved: tuple[list[bytes], bytes | None, np.ndarray], tier_keys: list[bytes],
                 pushed: Iterable[bytes]) -> None:  # fmt: skip
-        """The host tier took the pages ``moved`` describes under ``keys`` and pushed
+        """The host tier took the pages ``moved`` describes under ``tier_keys`` and pushed
         ``pushed`` out."""
-        hashes, before, tokens = moved
-        new = [i for i, k in enumerate(keys) if k not in self.host]
-        self.host.update(zip(keys, hashes))
+        keys, before, tokens = moved
+        new = [i for i, k in enumerate(tier_keys) if k not in self.host]
+        self.host.update(zip(tier_keys, keys))
         if new:  # from the first new page on (stored again, a page the host held stays held)
             ps, first = self.page_size, new[0]
-            parent = before if first == 0 else hashes[first - 1]
-            self._events.append(BlockStored(hashes[first:], parent, tokens[first * ps :].tolist(), ps, None,
-                                            MEDIUM_HOST))  # fmt: skip
-        gone = [h for h in (self.host.pop(k, None) for k in pushed) if h is not None]  # possibly some just put
+            parent = before if first == 0 else keys[first - 1]
+            self._events.append(BlockStored([hash_of(k) for k in keys[first:]], _hash(parent),
+                                            tokens[first * ps :].tolist(), ps, None, MEDIUM_HOST))  # fmt: skip
+        gone = [k for k in (self.host.pop(t, None) for t in pushed) if k is not None]  # possibly some just put
         if gone:
-            self._events.append(BlockRemoved(gone, MEDIUM_HOST))
+            self._events.append(BlockRemoved([hash_of(k) for k in gone], MEDIUM_HOST))
 
     def host_cleared(self) -> None:
         """The host tier was emptied."""
         if self.host:
-            self._events.append(BlockRemoved(list(self.host.values()), MEDIUM_HOST))
+            self._events.append(BlockRemoved([hash_of(k) for k in self.host.values()], MEDIUM_HOST))
             self.host.clear()
 
-    def blocks(self) -> dict[str, list[int]]:
-        """The hashes this recorder believes each medium holds."""
-        return {MEDIUM_DEVICE: sorted(self.device.values()), MEDIUM_HOST: sorted(self.host.values())}
+
+def _hash(key: bytes | None) -> int | None:
+    return None if key is None else hash_of(key)
 
 
 # -- the publisher -------------------------------------------------------------------------------------
@@ -358,6 +354,16 @@ class ZmqEventPublisher:
 # -- the subscriber's side -------------------------------------------------------------------------------
 
 
+def leading(keys, held) -> int:
+    """How many of ``keys``, from the first, ``held`` contains (``in``)."""
+    n = 0
+    for k in keys:
+        if k not in held:
+            break
+        n += 1
+    return n
+
+
 class Overlap(NamedTuple):
     """How much of a request a replica holds: ``device`` pages from the start on the
     device, then ``lower`` more pages in a tier below it (host)."""
@@ -397,17 +403,10 @@ class BlockIndex:
     def match(self, hashes: list[int]) -> Overlap:
         """The leading run of ``hashes`` on the device, then the run after it that some
         tier holds."""
-        d = 0
-        for h in hashes:
-            if h not in self.device:
-                break
-            d += 1
-        n = d
+        d = n = leading(hashes, self.device)
         if self.lower:
             tiers = [self.device, *self.lower.values()]
-            for h in hashes[d:]:
-                if not any(h in t for t in tiers):
-                    break
+            while n < len(hashes) and any(hashes[n] in t for t in tiers):
                 n += 1
         return Overlap(d, n - d)
 

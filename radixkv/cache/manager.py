@@ -57,7 +57,7 @@ import numpy as np
 from radixkv.cache.compress import (
     OBSERVE_TOKENS, KVPolicySpec, View, ViewIndex, chain_hashes, keydiff_scores, page_sums, select_pages,
 )  # fmt: skip
-from radixkv.cache.events import tree_blocks
+from radixkv.cache.events import hash_of, tree_blocks
 from radixkv.cache.pins import HARD, SOFT, Entry, PendingPin, PinInfo, PinRegistry, later
 from radixkv.cache.pool import PageAllocator, PageIds
 from radixkv.cache.radix import Node, RadixCache, token_key
@@ -779,7 +779,7 @@ class KVCacheManager:
             for page, n in self.views.owners().items():
                 refs[page] = refs.get(page, 0) + n
             self.tree.check_integrity(external_refs=refs)
-            if self.events is not None and set(self.events.device.values()) != tree_blocks(self.tree):
+            if self.events is not None and set(map(hash_of, self.events.device.values())) != tree_blocks(self.tree):
                 raise IntegrityError("the KV events' device pages differ from the tree's")
         else:
             self.pool.check_integrity()

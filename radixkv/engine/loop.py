@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from radixkv.cache.compress import resolve_policy
-from radixkv.cache.events import KVEventRecorder, ZmqEventPublisher, tree_blocks
+from radixkv.cache.events import KVEventRecorder, ZmqEventPublisher, hash_of, tree_blocks
 from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import FLUSH_TIERS, KVCacheManager, SeqKV
 from radixkv.cache.pool import KVPool, PoolConfig
@@ -401,7 +401,7 @@ class EngineLoop:
         recomputed from the tree's paths, ``CPU`` the host tier's as recorded."""
         if self.events is None:
             raise ValueError("this engine publishes no KV events (kv_events)")
-        return {"GPU": sorted(tree_blocks(self.tree)), "CPU": sorted(self.events.host.values()),
+        return {"GPU": sorted(tree_blocks(self.tree)), "CPU": sorted(map(hash_of, self.events.host.values())),
                 "page_size": self.pool.page_size}  # fmt: skip
 
     def _check(self) -> None:

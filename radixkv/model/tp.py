@@ -350,13 +350,11 @@ class TensorParallel:
             if self.world > 1:
                 dist.broadcast(packed, src=0)
             return self.model.forward(batch, pool, backend, all_logits)
-        except Exception as e:
+        except BaseException as e:  # KeyboardInterrupt and the like too: the ranks are out of step all the same
             self.failed = f"{type(e).__name__}: {e}"
             self._stop()
-            raise RuntimeError(f"tensor-parallel step failed (the workers are stopped): {self.failed}") from e
-        except BaseException as e:  # KeyboardInterrupt and the like: the ranks are out of step all the same
-            self.failed = f"{type(e).__name__}: {e}"
-            self._stop()
+            if isinstance(e, Exception):
+                raise RuntimeError(f"tensor-parallel step failed (the workers are stopped): {self.failed}") from e
             raise
 
     def alive(self) -> bool:

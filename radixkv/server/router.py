@@ -50,8 +50,10 @@ from typing import NamedTuple
 
 import msgspec
 
-from radixkv.cache.events import BlockIndex, END_SEQ, block_hashes, decode
+from radixkv.cache.events import END_SEQ, BlockIndex, block_hashes, decode, leading
 from radixkv.model.registry import DEFAULT_MODEL
+from radixkv.server import protocol as P
+from radixkv.server.app import ClientGone, Http
 from radixkv.validate import check_float, check_int
 
 logger = logging.getLogger("radixkv.router")
@@ -59,7 +61,6 @@ logger = logging.getLogger("radixkv.router")
 POLICIES = ("cache_aware", "round_robin")
 MODES = ("auto", "events", "approx")
 FORWARD_HEADERS = ("authorization", "x-cache-salt", "x-session-id", "content-type", "accept")
-JSON = [(b"content-type", b"application/json")]
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
@@ -136,12 +137,7 @@ class TextTree:
         return out
 
     def match(self, text: str) -> int:
-        n = 0
-        for k in self._keys(text):
-            if k not in self._chunks:
-                break
-            n += 1
-        return n * CHUNK
+        return leading(self._keys(text), self._chunks) * CHUNK
 
     def insert(self, text: str) -> None:
         for k in self._keys(text):
@@ -167,7 +163,6 @@ class Replica:
     queued_tokens: float = 0.0  # prefill routed here and not finished
     requests: int = 0
     failures: int = 0
-    routed_tokens: int = 0
     expected_hit_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     subscriber: EventSubscriber | None = None
@@ -202,20 +197,18 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
             n = device + lower
             while n < len(hashes) and r.pending.get(hashes[n], 0.0) > now:
                 n += 1
-            device += n - device - lower
+            device = n - lower
         cached = min((device + lower) * page_size, max(prompt_tokens - 1, 0))
         prefill = prompt_tokens - cached + host_page_cost * lower * page_size
         rows.append((prefill + load_weight * r.queued_tokens, r.inflight, i, routed, Choice(i, prefill, cached)))
-    loads = [row[1] for row in rows]
-    hi, lo = max(loads), min(loads)
-    if abs_threshold is not None and hi - lo > abs_threshold and hi > rel_threshold * lo:
+    if abs_threshold is not None and imbalanced([row[1] for row in rows], abs_threshold, rel_threshold):
         return min(rows, key=lambda row: (row[1], row[0], row[2]))[4]
     best_cached = max(row[4].cached for row in rows)
     if prompt_tokens and best_cached <= cache_threshold * prompt_tokens:
         # a cold prompt: back to the replica it was routed to before, if any (its cache lost it
         # under pressure; sending it there again keeps one home per prefix instead of copies),
         # else the replica with the fewest routed pages remembered
-        homes = [(_history_match(replicas[row[2]].history, hashes), row) for row in rows]
+        homes = [(leading(hashes, replicas[row[2]].history), row) for row in rows]
         pages, row = max(homes, key=lambda h: (h[0], -h[1][1], -h[1][2]))
         if pages * page_size > cache_threshold * prompt_tokens:
             return row[4]
@@ -223,13 +216,11 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
     return min(rows, key=lambda row: row[:3])[4]
 
 
-def _history_match(history: OrderedDict, hashes: list[int]) -> int:
-    n = 0
-    for h in hashes:
-        if h not in history:
-            break
-        n += 1
-    return n
+def imbalanced(loads: list[int], abs_threshold: int, rel_threshold: float) -> bool:
+    """SGLang's test: the busiest has more than ``abs_threshold`` requests in flight over
+    the idlest, and more than ``rel_threshold`` times its count."""
+    hi, lo = max(loads), min(loads)
+    return hi - lo > abs_threshold and hi > rel_threshold * lo
 
 
 def remember(history: OrderedDict, hashes: list[int], limit: int) -> None:
@@ -245,9 +236,8 @@ def choose_approx(replicas: list[Replica], candidates: list[int], text: str, cac
                   abs_threshold: int, rel_threshold: float) -> int:  # fmt: skip
     """SGLang's cache-aware rule over approximate text trees (see the module doc)."""
     loads = [replicas[i].inflight for i in candidates]
-    hi, lo = max(loads), min(loads)
-    if hi - lo > abs_threshold and hi > rel_threshold * lo:
-        return candidates[loads.index(lo)]
+    if imbalanced(loads, abs_threshold, rel_threshold):
+        return candidates[loads.index(min(loads))]
     matches = [replicas[i].text.match(text) for i in candidates]
     best = max(matches)
     if text and best / len(text.encode("utf-8", "surrogatepass")) > cache_threshold:
@@ -444,7 +434,7 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------------------------------
 
-    def prompt(self, path: str, body: dict, salt: str | None) -> tuple[list[int] | None, str]:
+    def prompt(self, path: str, body: dict) -> tuple[list[int] | None, str]:
         """The request's prompt as token ids (None when they cannot be known here) and as
         text (approximate mode)."""
         ids, text = None, ""
@@ -479,7 +469,7 @@ class Router:
         cfg = self.config
         if cfg.policy == "round_robin":
             return Choice(cands[next(self._rr) % len(cands)], 0.0, 0)
-        ids, text = self.prompt(path, body, salt)
+        ids, text = self.prompt(path, body)
         if self.mode == "events" and ids is not None:
             ps = next((r.index.page_size for r in self.replicas if r.index.page_size), None) or 16
             hashes = block_hashes(ids, salt, ps)
@@ -519,25 +509,27 @@ class Router:
                     return
         if scope["type"] != "http":
             return
+        http = Http(scope, receive, send, self.config.max_body_bytes)
         path, method = scope["path"], scope["method"]
-        if method == "GET" and path == "/health":
-            ok = any(r.up for r in self.replicas)
-            return await _send(send, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no replica"}')
-        if method == "GET" and path == "/metrics":
-            return await _send(send, 200, self.metrics().encode(), [(b"content-type", b"text/plain; version=0.0.4")])
-        if method == "GET" and path == "/router/state":
-            blocks = b"blocks=1" in scope.get("query_string", b"")
-            return await _send(send, 200, msgspec.json.encode(self.state(blocks)))
-        body = await _read(receive, self.config.max_body_bytes)
-        if body is None:
-            return await _send(send, 413, _error(f"request body is over the limit of {self.config.max_body_bytes} "
-                                                 "bytes", "max_body_bytes"))  # fmt: skip
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        await self.forward(scope, headers, body, send)
+        try:
+            if method == "GET" and path == "/health":
+                ok = any(r.up for r in self.replicas)
+                return await http.send(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no replica"}')
+            if method == "GET" and path == "/metrics":
+                return await http.send(200, self.metrics().encode(), [(b"content-type", b"text/plain; version=0.0.4")])
+            if method == "GET" and path == "/router/state":
+                blocks = b"blocks=1" in scope.get("query_string", b"")
+                return await http.send(200, msgspec.json.encode(self.state(blocks)))
+            await self.forward(http, await http.body())
+        except P.ApiError as e:
+            await http.error(e)
+        except ClientGone:
+            pass
 
-    async def forward(self, scope, headers: dict, body: bytes, send) -> None:
+    async def forward(self, http: Http, body: bytes) -> None:
         """Send the request to the chosen replica; on failure before anything reached the
-        client, to the next one."""
+        client, to the next one. ApiError 503 when none could serve it."""
+        scope = http.scope
         path = scope["path"]
         parsed: dict = {}
         if path in GENERATION_ROUTES and scope["method"] == "POST":
@@ -547,16 +539,16 @@ class Router:
                 parsed = {}
             if not isinstance(parsed, dict):
                 parsed = {}
-        salt = headers.get("x-cache-salt") or parsed.get("cache_salt")
+        salt = http.headers.get("x-cache-salt") or parsed.get("cache_salt")
         stream = bool(parsed.get("stream"))
-        fwd = {k: v for k, v in headers.items() if k in FORWARD_HEADERS}
+        fwd = {k: v for k, v in http.headers.items() if k in FORWARD_HEADERS}
         url_tail = path + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
         tried: set[int] = set()
         while True:
             choice = self.route(path, parsed, salt, tried) if parsed else self._any(tried)
             if choice is None:
                 self.lost += 1
-                return await _send(send, 503, _error("no replica could serve the request", None))
+                raise P.ApiError(503, "no replica could serve the request", type="router_error")
             tried.add(choice.replica)
             r = self.replicas[choice.replica]
             r.inflight += 1
@@ -565,7 +557,7 @@ class Router:
             if parsed:
                 r.expected_hit_tokens += choice.cached
             try:
-                await self._proxy(r, scope["method"], url_tail, fwd, body, stream, send)
+                await self._proxy(r, scope["method"], url_tail, fwd, body, stream, http)
                 return
             except Retry:
                 r.failures += 1
@@ -582,7 +574,7 @@ class Router:
         return Choice(cands[next(self._rr) % len(cands)], 0.0, 0) if cands else None
 
     async def _proxy(self, r: Replica, method: str, url_tail: str, headers: dict, body: bytes, stream: bool,
-                     send) -> None:  # fmt: skip
+                     http: Http) -> None:  # fmt: skip
         import httpx
 
         req = self._client.build_request(method, r.url + url_tail, headers=headers, content=body)
@@ -600,7 +592,7 @@ class Router:
                     data = await resp.aread()
                 except httpx.TransportError:
                     raise Retry from None
-                return await _send(send, resp.status_code, data, out_headers)
+                return await http.send(resp.status_code, data, out_headers)
             it = resp.aiter_raw()
             try:
                 first = await it.__anext__()
@@ -608,15 +600,15 @@ class Router:
                 first = b""
             except httpx.TransportError:
                 raise Retry from None
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
+            http.started = True
+            await http.send_raw({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+            await http.send_raw({"type": "http.response.body", "body": first, "more_body": True})
             try:
                 async for chunk in it:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await http.send_raw({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx.TransportError:  # the replica died mid-stream: say so as the last event
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": b"data: " + _error("the replica serving this stream failed", None) + b"\n\n"})
-            await send({"type": "http.response.body", "body": b""})
+                return await http.error(P.ApiError(502, "the replica serving this stream failed", type="router_error"))
+            await http.end()
         finally:
             await resp.aclose()
 
@@ -675,30 +667,6 @@ def _content_text(content) -> str:
     return ""
 
 
-def _error(message: str, param: str | None) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": "router_error", "param": param}})
-
-
-async def _read(receive, limit: int) -> bytes | None:
-    chunks, size, more = [], 0, True
-    while more:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return b""
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        more = msg.get("more_body", False)
-    return b"".join(chunks)
-
-
-async def _send(send, status: int, body: bytes, headers=JSON) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 HELP = {
     "replicas": "the replicas' base URLs (http://127.0.0.1:30001 ...)",
     "host": "address to bind; loopback unless you mean to expose the router",
@@ -731,6 +699,8 @@ def add_arguments(parser) -> None:
     """``radixkv router``'s flags, one per RouterConfig field."""
     import dataclasses
 
+    from radixkv.server.serve import CHOICES
+
     for f in dataclasses.fields(RouterConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "replicas":
@@ -738,8 +708,7 @@ def add_arguments(parser) -> None:
                                 help=HELP[f.name])  # fmt: skip
             continue
         kind = {"int": int, "float": float}.get(f.type, str)
-        choices = {"policy": POLICIES, "mode": MODES,
-                   "log_level": ("critical", "error", "warning", "info", "debug")}.get(f.name)  # fmt: skip
+        choices = {"policy": POLICIES, "mode": MODES, "log_level": CHOICES["log_level"]}.get(f.name)
         parser.add_argument(flag, type=kind, default=f.default, choices=choices, metavar=f.name.upper(),
                             help=f"{HELP[f.name]} (default: {f.default})")  # fmt: skip
 

@@ -231,18 +231,13 @@ def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, n: in
                "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]  # fmt: skip
         return launch(cmd, "/health", f"radixkv replica {i}", timeout=600)
 
-    procs = []
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(start, i) for i in range(n)]
+    procs = [f.result() for f in futures if f.exception() is None]  # stopped below, whatever else failed
     try:
-        with ThreadPoolExecutor(n) as pool:
-            futures = [pool.submit(start, i) for i in range(n)]
-            for f in futures:
-                try:
-                    procs.append(f.result())
-                except Exception:
-                    for g in futures:  # stop the others that did start
-                        if g is not f and g.exception() is None:
-                            procs.append(g.result())
-                    raise
+        failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failed is not None:
+            raise failed
         for i, (_, url) in enumerate(procs):
             log.info("replica %d at %s", i, url)
         router = RouterConfig(replicas=tuple(url for _, url in procs), host=server_config.host,
