@@ -26,8 +26,9 @@ def chats(engine):
 
 
 def make(**settings):
-    """An engine with the default attention backend (on a CPU: the C decode kernel)."""
-    return Engine(**{"kv_cache_tokens": 16384, **settings})
+    """An engine with the default attention backend (on a CPU: the C decode kernel), in
+    the exact mode (fp32 weights: its greedy tokens are transformers')."""
+    return Engine(**{"kv_cache_tokens": 16384, "weights": "fp32", **settings})
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(attention_backend="torch", kv_cache_tokens=8192, page_size=PAGE) as e:
+    with Engine(attention_backend="torch", kv_cache_tokens=8192, page_size=PAGE, weights="fp32") as e:  # exact mode: logprobs compared across paths
         yield e
 
 
@@ -43,7 +43,8 @@ def backend(engine):
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     log = tmp_path_factory.mktemp("frontend-server") / "server.log"
-    with ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", "8192", log_path=log) as server:
+    with ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", "8192", "--weights", "fp32",
+                       log_path=log) as server:  # fmt: skip
         ep = RuntimeEndpoint(server.url)
         yield ep
         ep.close()

@@ -48,7 +48,7 @@ HAS_RESPONSE_FORMAT = hasattr(__import__("radixkv.server.protocol").server.proto
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(attention_backend="torch", kv_cache_tokens=8192, page_size=PAGE) as e:
+    with Engine(attention_backend="torch", kv_cache_tokens=8192, page_size=PAGE, weights="fp32") as e:  # exact mode: logprobs compared across paths
         yield e
 
 
@@ -60,7 +60,8 @@ def backend(engine):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("frontend-sglang-server") / "server.log"
-    with ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", "8192", "--debug", log_path=log) as server:
+    with ServerProcess("--attention-backend", "torch", "--kv-cache-tokens", "8192", "--debug", "--weights", "fp32",
+                       log_path=log) as server:  # fmt: skip
         yield server
     assert server.exit_code == 0
 

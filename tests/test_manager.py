@@ -256,6 +256,9 @@ class StubModel:
     def next_token(t: int) -> int:
         return 1000 + (t * 7919) % 20000
 
+    def weights_summary(self) -> dict:
+        return {"mode": "stub", "bytes": 0, "tensors": {}}
+
     def forward(self, batch, pool, backend=None, all_logits=False):
         ends = batch.qo_indptr[1:].long() - 1
         last = batch.input_ids[ends]

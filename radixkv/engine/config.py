@@ -9,9 +9,13 @@ from radixkv.cache.formats import KVFormat, kv_format
 from radixkv.cache.pins import MAX_TTL
 from radixkv.cache.store import check_store_spec
 from radixkv.cache.tiers import WRITE_POLICIES
-from radixkv.model.loader import as_dtype
+from radixkv.model.loader import as_dtype, has_native_weights
 from radixkv.model.registry import DEFAULT_MODEL
 from radixkv.validate import check_float, check_int, check_optional_int
+
+
+WEIGHTS = ("auto", "native", "fp32", "bf16", "fp16")
+DENSE_WEIGHTS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,10 @@ class EngineConfig:
     memory_bytes: int | None = None
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
+    # weights: native (a GGUF's quantized blocks read in place, float32 activations, CPU), fp32 / bf16 /
+    # fp16 (expanded to that dtype: sets dtype; fp32 is the exact mode), auto (native for a quantized
+    # GGUF when dtype is float32 on the CPU at tp 1, else expanded to dtype)
+    weights: str = "auto"
     kv_dtype: str = "auto"  # the KV cache's format; auto: the weights' dtype
     kv_scales: str | None = None  # fp8 KV: a JSON scale file, or "unity"; no other format takes one
     attention_backend: str = "auto"
@@ -71,6 +79,7 @@ class EngineConfig:
             check_float(name, getattr(self, name), 0.0, MAX_TTL, lo_open=True)
         check_float("hint_hold", self.hint_hold, 0.0, 3600.0)
         as_dtype(self.dtype)
+        self._check_weights()
         if self.kv_store is not None:
             check_store_spec(self.kv_store)
         if self.kv_store_write not in WRITE_POLICIES:
@@ -92,6 +101,31 @@ class EngineConfig:
             raise ValueError("kv_events_replay replays kv_events: give kv_events too")
         if self.kv_events is not None and not self.enable_prefix_cache:
             raise ValueError("kv_events publish the prefix cache's pages: they need enable_prefix_cache")
+
+    def _check_weights(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        dense = DENSE_WEIGHTS.get(self.weights)
+        if dense is not None and self.dtype != dense:
+            if self.dtype != "float32":
+                raise ValueError(f"weights {self.weights} expands the weights to {dense}, but dtype is {self.dtype}: "
+                                 "give one of them")  # fmt: skip
+            object.__setattr__(self, "dtype", dense)  # the default float32 follows the weights
+        if self.weights == "native":
+            if self.dtype != "float32" or not self.device.startswith("cpu"):
+                raise ValueError(f"weights native computes in float32 on the CPU (dtype {self.dtype}, device "
+                                 f"{self.device}): use weights fp32, bf16 or fp16 there")  # fmt: skip
+            if self.tp > 1:
+                raise ValueError("weights native does not support tp > 1 yet (the ranks split expanded weights): "
+                                 "use weights fp32")  # fmt: skip
+
+    def native_weights(self, source) -> bool:
+        """Whether the model at ``source`` (a ModelSource) runs with native weights: asked
+        for, or ``auto`` with a quantized GGUF, float32, the CPU and tp 1."""
+        if self.weights != "auto":
+            return self.weights == "native"
+        plain = self.dtype == "float32" and self.device.startswith("cpu") and self.tp == 1
+        return plain and has_native_weights(source)
 
     @property
     def kv_format(self) -> KVFormat:

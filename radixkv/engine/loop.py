@@ -66,7 +66,8 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, send: Callable[[Output], None], tokenizer: Tokenizer | None = None):
         self.config = cfg = config
         source = resolve_model(cfg.model)
-        self.model = load_model(source.path, cfg.dtype, cfg.device)
+        self.model = load_model(source.path, cfg.dtype, cfg.device, native=cfg.native_weights(source))
+        self.weights = self.model.weights_summary()  # for stats: how the weights are held
         self.tokenizer = tokenizer or Tokenizer.load(source)
         mc = self.model.config
         pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -374,6 +375,7 @@ class EngineLoop:
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "preemptions": self.scheduler.preemptions,
+            "weights": self.weights,
             "pool": {"pages": self.pool.num_pages, "free": self.pool.num_free(), "page_size": self.pool.page_size,
                      "kv_format": self.pool.identity, "bytes_per_page": self.pool.config.bytes_per_page,
                      "staged_pages": self.pool.sealer.staged_pages() if self.pool.sealer else 0},

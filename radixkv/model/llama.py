@@ -13,6 +13,7 @@ same RoPE tables), so results match it to float rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Callable
 
 import torch
@@ -23,37 +24,71 @@ from radixkv.model.batch import ForwardBatch
 from radixkv.kernels import AttentionBackend, get_backend
 from radixkv.model.config import ModelConfig
 
+try:
+    from radixkv.kernels.weights import PackedMatrix
+except ImportError:  # pragma: no cover - the module always imports; its library builds on first use
+    PackedMatrix = ()
+
+
+class Stacked:
+    """Matrices whose rows are stacked but that cannot share one tensor (a GGUF file may
+    give q, k and v different quantized types): ``linear`` is their outputs side by side."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    def linear(self, x: torch.Tensor, dense: bool | None = None) -> torch.Tensor:
+        return torch.cat([p.linear(x, dense=dense) if isinstance(p, PackedMatrix) else _linear(x, p)
+                          for p in self.parts], dim=-1)  # fmt: skip
+
+
+Matrix = torch.Tensor | PackedMatrix | Stacked  # a weight matrix [out, in] as _linear takes it
+
+
+def stack_rows(parts: list) -> Matrix:
+    """``parts``' rows in order as one matrix: a tensor or PackedMatrix when they share a
+    type, else a ``Stacked`` of them."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, PackedMatrix) for p in parts):
+        packed = PackedMatrix.stack(parts)
+        if packed is not None:
+            return packed
+    return Stacked(parts)
+
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]: q, k, v projections stacked
+    qkv: Matrix  # [(Hq + 2 Hkv) * D, hidden]: q, k, v projections stacked
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D] (Qwen2)
-    o: torch.Tensor  # [hidden, Hq * D]
+    o: Matrix  # [hidden, Hq * D]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up stacked
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Matrix  # [2 * intermediate, hidden]: gate, up stacked
+    down: Matrix  # [hidden, intermediate]
 
 
 class LlamaModel:
     """Weights and the forward pass. Build with ``from_state_dict`` (HF tensor names)."""
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor):  # fmt: skip
+    def __init__(self, config: ModelConfig, embed: Matrix, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: Matrix):  # fmt: skip
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
-        self.dtype = embed.dtype
-        self.device = embed.device
+        self.dtype = norm.dtype  # activations' (packed matrices compute in float32)
+        self.device = norm.device
+        self.native = any(isinstance(t, PackedMatrix) for _, t in self._matrices())
         # Tensor parallelism (radixkv.model.tp): sums a partial ``[T, hidden]`` in place
         # across the ranks, after o_proj and after down_proj; None: the whole model here.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._steps = None  # a native model's elementwise steps (radixkv.kernels.weights.Steps)
 
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every weight tensor by name, as loaded (a head tied to the embedding once)."""
+    def _matrices(self) -> list[tuple[str, Matrix]]:
         out = [("embed", self.embed), ("norm", self.norm)]
         if self.lm_head is not self.embed:
             out.append(("lm_head", self.lm_head))
@@ -61,6 +96,27 @@ class LlamaModel:
             out += [(f"layers.{i}.{f.name}", getattr(layer, f.name)) for f in fields(layer)
                     if getattr(layer, f.name) is not None]  # fmt: skip
         return out
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every weight tensor by name, as loaded (a head tied to the embedding once);
+        a packed matrix as its bytes, named with its type (``layers.0.o:Q4_1``), the parts
+        of a ``Stacked`` one by one."""
+        out = []
+        for name, m in self._matrices():
+            for j, part in enumerate(m.parts if isinstance(m, Stacked) else [m]):
+                label = f"{name}.{j}" if isinstance(m, Stacked) else name
+                out.append((f"{label}:{part.type_name}", part.data) if isinstance(part, PackedMatrix) else (label, part))
+        return out
+
+    def weights_summary(self) -> dict:
+        """How the weights are held: ``mode`` (``native``: some matrices in their GGUF
+        blocks, else the dtype), their bytes, and the matrices per type."""
+        types: dict[str, int] = {}
+        for name, t in self.tensors():
+            kind = name.rsplit(":", 1)[1] if ":" in name else str(t.dtype).removeprefix("torch.")
+            types[kind] = types.get(kind, 0) + 1
+        return {"mode": "native" if self.native else str(self.dtype).removeprefix("torch."),
+                "bytes": sum(t.numel() * t.element_size() for _, t in self.tensors()), "tensors": types}
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaModel:
@@ -74,11 +130,11 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     attn_norm=sd[p + "input_layernorm.weight"],
-                    qkv=torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                    qkv=stack_rows([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
                     qkv_bias=qkv_bias,
                     o=sd[p + "self_attn.o_proj.weight"],
                     mlp_norm=sd[p + "post_attention_layernorm.weight"],
-                    gate_up=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
+                    gate_up=stack_rows([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
                     down=sd[p + "mlp.down_proj.weight"],
                 )
             )
@@ -102,13 +158,23 @@ class LlamaModel:
         tensor-parallel model, ``radixkv.model.tp``), each rank calls this with the same
         batch, in step."""
         cfg = self.config
-        reduce = self.all_reduce
         backend = backend or get_backend("torch")
         backend.plan(batch)
         cos, sin = self._rope(batch.positions)
+        x = _embed(batch.input_ids, self.embed)
+        layers = self._native_layers if self.native else self._dense_layers
+        x = layers(x, batch, pool, backend, cos, sin)
+        if not all_logits:
+            x = x[(batch.qo_indptr[1:] - 1).long()]
+        x = _rms_norm(x, self.norm, cfg.rms_norm_eps)
+        if self.native:  # a row per sequence: the kernel; every row: routed by its sequence, as the layers
+            return (_routed_linear(batch) if all_logits else partial(_linear, dense=False))(x, self.lm_head)
+        return _linear(x, self.lm_head).float()
+
+    def _dense_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
+        """The layers, step by step as HF transformers computes them (the exact mode)."""
+        cfg, reduce = self.config, self.all_reduce
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        scale = d**-0.5
-        x = F.embedding(batch.input_ids, self.embed)
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
             qkv = _linear(h, w.qkv, w.qkv_bias)
@@ -116,7 +182,7 @@ class LlamaModel:
             q, k = qk.split([hq, hkv], dim=1)
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), scale, cfg.sliding_window)
+            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.sliding_window)
             out = _linear(o.reshape(-1, hq * d), w.o)
             if reduce is not None:
                 reduce(out)
@@ -127,10 +193,38 @@ class LlamaModel:
             if reduce is not None:
                 reduce(out)
             x = x + out
-        if not all_logits:
-            x = x[(batch.qo_indptr[1:] - 1).long()]
-        x = _rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return _linear(x, self.lm_head).float()
+        return x
+
+    def _native_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
+        """The layers of a native model: products on the packed blocks, the steps between
+        them in one C call each (``radixkv.kernels.weights.Steps``), the residual stream
+        ``x`` updated in place. The same arithmetic as the dense loop, float32."""
+        cfg = self.config
+        if self._steps is None:
+            from radixkv.kernels.weights import Steps
+
+            self._steps = Steps()
+        steps, eps = self._steps, cfg.rms_norm_eps
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        mm = _routed_linear(batch)
+        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        x = x.contiguous()
+        h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
+        for i, w in enumerate(self.layers):
+            qkv = mm(h, w.qkv, w.qkv_bias).contiguous()
+            steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place
+            q = qkv[:, : hq * d].view(-1, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+            pool.store_kv(i, k, v, batch.out_slots)
+            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.sliding_window)
+            h = steps.add_rms_norm(x, mm(o.reshape(-1, hq * d), w.o), w.mlp_norm, eps)
+            out = mm(steps.silu_mul(mm(h, w.gate_up)), w.down)
+            if i + 1 < len(self.layers):
+                h = steps.add_rms_norm(x, out, self.layers[i + 1].attn_norm, eps)
+            else:
+                x += out
+        return x
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for ``positions``: [T, 1, D] each, in the model dtype."""
@@ -148,12 +242,44 @@ class LlamaModel:
 SMALL_BATCH_ROWS = 64
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T (+ bias)``. On the CPU, for a few rows (decode steps) it is computed as
+def _routed_linear(batch: ForwardBatch) -> Callable:
+    """``_linear`` for a native model's batch: the rows of decode sequences (one new
+    token) through the packed kernel, the rows of prefill and extend sequences through
+    the dense path, so that a token's path, and its result, depend on its own sequence
+    alone, never on what shares the batch."""
+    lens = batch.qo_lens
+    if all(n == 1 for n in lens):
+        return lambda x, w, bias=None: _linear(x, w, bias, dense=False)
+    if all(n > 1 for n in lens):
+        return lambda x, w, bias=None: _linear(x, w, bias, dense=True)
+    decode = torch.tensor([n == 1 for n in lens]).repeat_interleave(torch.tensor(lens))
+    rows, other = decode.nonzero().squeeze(1), (~decode).nonzero().squeeze(1)
+
+    def split(x, w, bias=None):
+        a, b = _linear(x[rows], w, bias, dense=False), _linear(x[other], w, bias, dense=True)
+        out = torch.empty(x.shape[0], a.shape[1], dtype=a.dtype)
+        out[rows], out[other] = a, b
+        return out
+
+    return split
+
+
+def _embed(ids: torch.Tensor, table: Matrix) -> torch.Tensor:
+    if isinstance(table, PackedMatrix):
+        return table.rows(ids)
+    return F.embedding(ids, table)
+
+
+def _linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None, dense: bool | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)``; a packed or stacked ``w`` computes it itself. On the CPU,
+    for a dense ``w`` and a few rows (decode steps) it is computed as
     ``(w @ x.T).T``: the BLAS then streams ``w`` once instead of packing it first, which
     measured 30-45% faster per weight matrix for 16 rows with weights out of cache (this
     2-core machine, torch 2.13), with identical values. Prefill-sized inputs keep
     ``F.linear``."""
+    if not isinstance(w, torch.Tensor):  # packed (dense: its path, see PackedMatrix.linear) or stacked
+        out = w.linear(x, dense=dense)
+        return out if bias is None else out + bias
     if x.device.type != "cpu" or x.shape[0] > SMALL_BATCH_ROWS:
         return F.linear(x, w, bias)
     out = (w @ x.t()).t().contiguous()

@@ -7,6 +7,7 @@ HF's half-split order here, so both sources yield the same state dict.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -60,11 +61,20 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *tail).swapaxes(1, 2).reshape(rows, *tail)
 
 
-def load_gguf_state_dict(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and float32 HF-named tensors of a GGUF file. Raises ModelLoadError for an
-    unsupported architecture or quantization type."""
+def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelConfig, dict]:
+    """Config and HF-named tensors of a GGUF file: float32 tensors, or with ``native``
+    the matrices in a quantized type the kernels read (``radixkv.kernels.weights.TYPES``)
+    as ``PackedMatrix`` (their blocks unchanged, rows reordered where llama.cpp permuted
+    them) and the rest as float32. Raises ModelLoadError for an unsupported architecture
+    or quantization type. The file's mapping is released afterwards: every tensor kept is
+    a copy."""
     from gguf.quants import dequantize
 
+    packed_types = {}
+    if native:
+        from radixkv.kernels.weights import TYPES, PackedMatrix
+
+        packed_types = TYPES
     reader = open_gguf(str(path))
     meta = metadata(path)
     names = {t.name for t in reader.tensors}
@@ -78,17 +88,25 @@ def load_gguf_state_dict(path: str | Path) -> tuple[ModelConfig, dict[str, torch
             if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
                 continue  # e.g. rope_freqs: derived from the config instead
             name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {t.name} uses unsupported quantization {t.tensor_type.name}") from None
-        w = np.array(w, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])  # a copy: the file is mapped read-only
+        shape = [int(n) for n in reversed(t.shape)]
+        if int(t.tensor_type) in packed_types and len(shape) == 2:
+            w = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)  # [rows, row bytes]
+        else:
+            try:
+                w = dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise ModelLoadError(f"{path}: tensor {t.name} uses unsupported quantization "
+                                     f"{t.tensor_type.name}") from None  # fmt: skip
+            w = np.asarray(w, dtype=np.float32).reshape(shape)
         if t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rotary(w, config.num_heads)
         elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rotary(w, config.num_kv_heads)
-        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+        w = torch.from_numpy(np.array(w, copy=True, order="C"))  # a copy: the file is mapped read-only
+        sd[name] = PackedMatrix(int(t.tensor_type), w, shape[1]) if w.dtype == torch.uint8 else w
     _check_complete(sd, config, path)
+    del reader, t
+    open_gguf.cache_clear()  # unmap the file: its pages would count in this process's memory
     return config, sd
 
 
@@ -141,26 +159,60 @@ def load_config(source: ModelSource) -> ModelConfig:
         raise ModelLoadError(f"{source.path}/config.json is missing or incomplete: {e}") from None
 
 
-def load_state_dict(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_state_dict(source: ModelSource, native: bool = False) -> tuple[ModelConfig, dict]:
     if source.format == "gguf":
-        return load_gguf_state_dict(source.path)
+        return load_gguf_state_dict(source.path, native)
     return load_hf_state_dict(source.path)
+
+
+def has_native_weights(source: ModelSource) -> bool:
+    """Whether ``source`` is a GGUF file whose matrices are mostly in quantized types the
+    kernels read in place (what ``weights="auto"`` runs natively)."""
+    if source.format != "gguf":
+        return False
+    from radixkv.kernels.weights import TYPES
+
+    matrices = [t for t in open_gguf(str(source.path)).tensors if len(t.shape) == 2]
+    return sum(int(t.tensor_type) in TYPES for t in matrices) * 2 > len(matrices)
 
 
 def load_model(
     model: str | Path = "smollm2-135m-instruct",
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    native: bool = False,
 ) -> LlamaModel:
     """Resolve ``model`` (a registered name, a .gguf file or an HF directory) and build
-    it in ``dtype`` on ``device``. Weights are read-only during inference, so loads of
-    the same file, dtype and device share one model."""
+    it in ``dtype`` on ``device``; with ``native`` (a quantized GGUF, float32, the CPU)
+    its quantized matrices stay in their blocks (``radixkv.kernels.weights``). Weights are
+    read-only during inference, so loads of the same file and settings share one model."""
     source = resolve_model(model)
-    return _load(source, as_dtype(dtype), str(device), source.path.stat().st_mtime_ns)
+    dtype = as_dtype(dtype)
+    if native:
+        if source.format != "gguf":
+            raise ValueError(f"weights native: {source.path} is not a GGUF file (its weights are not quantized blocks)")
+        if str(device) != "cpu" or dtype != torch.float32:
+            raise ValueError(f"weights native computes in float32 on the CPU, not {dtype} on {device}")
+    return _load(source, dtype, str(device), native, source.path.stat().st_mtime_ns)
 
 
 @lru_cache(maxsize=2)
-def _load(source: ModelSource, dtype: torch.dtype, device: str, _mtime: int) -> LlamaModel:
-    config, sd = load_state_dict(source)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-    return LlamaModel.from_state_dict(config, sd)
+def _load(source: ModelSource, dtype: torch.dtype, device: str, native: bool, _mtime: int) -> LlamaModel:
+    config, sd = load_state_dict(source, native)
+    for k, v in sd.items():  # one tensor at a time: never two copies of the whole model
+        if isinstance(v, torch.Tensor):
+            sd[k] = v.to(device=device, dtype=dtype)
+    model = LlamaModel.from_state_dict(config, sd)
+    del sd
+    _trim_heap()
+    return model
+
+
+def _trim_heap() -> None:
+    """Give the heap's free memory back to the system (glibc's malloc_trim): loading
+    frees the parts of stacked matrices and permuted rows, which would otherwise stay in
+    the process's resident memory. A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

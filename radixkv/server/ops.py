@@ -273,7 +273,8 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         tiers.append(f"store {cfg.kv_store.split('://')[0].split(':')[0]}")
     return [
         f"model: {model_name} ({plan.model_path}), {plan.num_layers} layers, context {engine.max_context} tokens",
-        f"weights dtype: {cfg.dtype}; KV dtype: {pool.format.name}; device: {cfg.device}",
+        f"weights: {_weights_line(engine.model.weights_summary())}; activations {cfg.dtype}; KV dtype: "
+        f"{pool.format.name}; device: {cfg.device}",
         f"KV pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens, "
         f"{_size(pool.num_pages * pool.config.bytes_per_page)} ({_size(pool.config.bytes_per_page)} a page)",
         f"page size: {pool.page_size}; prefix cache: {cache}{'; tiers: ' + ', '.join(tiers) if tiers else ''}",
@@ -283,6 +284,12 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         f"loaded in {load_seconds:.2f} s",
         f"listening on http://{host}:{port}",
     ]
+
+
+def _weights_line(summary: dict) -> str:
+    """``native (Q8_0 x 1, float32 x 61, Q4_1 x 120), 96.6 MB``: how the weights are held."""
+    kinds = ", ".join(f"{k} x {n}" for k, n in summary["tensors"].items())
+    return f"{summary['mode']} ({kinds}), {summary['bytes'] / 1e6:.1f} MB"
 
 
 # -- the periodic stats line -------------------------------------------------------------------

@@ -14,6 +14,7 @@ import time
 
 from radixkv.cache.formats import FORMATS
 from radixkv.cache.tiers import WRITE_POLICIES
+from radixkv.engine.config import WEIGHTS
 from radixkv.engine.engine import EngineConfig
 from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
@@ -25,6 +26,10 @@ HELP = {
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
+    "weights": "native: a quantized GGUF's blocks read as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
+               "CPU, float32 activations rounded to int8 per block of 32, as llama.cpp); fp32, bf16, fp16: expanded "
+               "to that dtype (fp32 is the exact mode, token-equal to transformers); auto: native for a quantized "
+               "GGUF on the CPU at tp 1, else --dtype",
     "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (a scale byte per token and KV "
                 "head: 0.254x fp32's bytes at head size 64), int4 (KIVI, quantized per page: 0.16x at page size 16), "
                 "int4_norot, fp8_e4m3, fp8_e5m2 (0.25x; need --kv-scales)",
@@ -89,6 +94,7 @@ HELP = {
                               "(replacing an older FILE.1) and a new FILE begins; default unbounded",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
+           "weights": WEIGHTS,
            "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out

@@ -1,0 +1,219 @@
+"""Quantized weights as GGUF stores them, multiplied in place (``qmatmul.c``).
+
+A ``PackedMatrix`` holds one weight matrix ``[rows, cols]`` as the GGUF file's blocks
+(a ``uint8`` tensor ``[rows, row_bytes]``, the bytes unchanged) and its ggml type.
+``linear(x)`` computes ``x @ W.T`` without expanding ``W``: the kernel rounds each
+token's activations to 16-bit integers per block of 32 (one float scale each) and takes
+the block dot products on integers, scaled once per block. The result is the exact
+product of the dequantized weights with the rounded activations, up to float32
+accumulation (relative error of the rounding: ~1e-5), and batch-invariant: a token's
+outputs do not depend on which other tokens share the call.
+
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (``TYPES``). AVX2 + FMA code
+when the compiler targets them (``-march=native`` on such a CPU), portable C otherwise;
+OpenMP threads over rows, ``torch.get_num_threads()`` of them unless told. Built on
+first use by ``radixkv.kernels.build`` (cached, keyed by source, compiler, flags, CPU);
+without a C compiler ``load_library`` raises ImportError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from radixkv.kernels import build
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+
+# ggml type id -> (name, values per block, bytes per block)
+TYPES = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
+
+DENSE_FROM = 32  # tokens from which linear() takes the dequantize-and-BLAS path
+SCRATCH_FLOATS = 4 << 20  # at most this many weights dequantized at a time (16 MiB)
+
+_lock = threading.Lock()
+_libraries: dict[bool, ctypes.CDLL] = {}
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def load_library(portable: bool = False) -> ctypes.CDLL:
+    """The compiled kernels, built into the cache directory on first use; ``portable``:
+    without ``-march=native`` (the plain C loops: what a CPU without AVX2 runs)."""
+    with _lock:
+        if portable not in _libraries:
+            flags = tuple(f for f in FLAGS if not (portable and f.startswith("-march")))
+            name = "qmatmul-portable" if portable else "qmatmul"
+            try:
+                lib = ctypes.CDLL(str(build.build(name, SOURCE, flags, depends_on=(build.cpu_id(),), libs=("-lm",))))
+            except OSError as e:
+                raise ImportError(f"the quantized weight kernels are unavailable: {e}") from e
+            lib.radixkv_qmatmul.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+            lib.radixkv_qmatmul.restype = _int
+            lib.radixkv_dequant_rows.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr, _int]
+            lib.radixkv_dequant_rows.restype = _int
+            lib.radixkv_round_activations.argtypes = [_ptr, _i64, _i64, _ptr, _int]
+            lib.radixkv_round_activations.restype = None
+            lib.radixkv_row_bytes.argtypes = [_int, _i64]
+            lib.radixkv_row_bytes.restype = _i64
+            lib.radixkv_qmatmul_last_threads.restype = _int
+            lib.radixkv_add_rms_norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _int]
+            lib.radixkv_add_rms_norm.restype = None
+            lib.radixkv_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _int]
+            lib.radixkv_silu_mul.restype = None
+            lib.radixkv_rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
+            lib.radixkv_rope.restype = None
+            _libraries[portable] = lib
+        return _libraries[portable]
+
+
+def row_bytes(type_id: int, cols: int) -> int:
+    """Bytes of one row of ``cols`` values in ggml type ``type_id``; ValueError when the
+    type is not one of ``TYPES`` or its blocks do not divide ``cols``."""
+    if type_id not in TYPES:
+        raise ValueError(f"ggml type {type_id} is not supported natively (supported: "
+                         f"{', '.join(n for n, _, _ in TYPES.values())})")  # fmt: skip
+    name, values, nbytes = TYPES[type_id]
+    if cols % values:
+        raise ValueError(f"a {name} row holds a multiple of {values} values, got {cols}")
+    return cols // values * nbytes
+
+
+class PackedMatrix:
+    """A ``[rows, cols]`` weight matrix in a GGUF quantized type, read in place.
+
+    ``data``: ``uint8 [rows, row_bytes]`` on the CPU, the blocks of row ``r`` in
+    ``data[r]``. Rows can be reordered or stacked (``stack``) without touching values.
+    """
+
+    def __init__(self, type_id: int, data: torch.Tensor, cols: int, portable: bool = False):
+        expected = row_bytes(type_id, cols)
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != expected:
+            raise ValueError(f"{TYPES[type_id][0]} data for {cols} columns must be uint8 [rows, {expected}], "
+                             f"got {data.dtype} {list(data.shape)}")  # fmt: skip
+        if data.device.type != "cpu":
+            raise ValueError("packed weights live on the CPU")
+        self.type_id = type_id
+        self.portable = portable
+        self.data = data.contiguous()
+        self.cols = cols
+        self.shape = (data.shape[0], cols)
+        self.dtype = torch.float32  # what linear() returns
+        self.device = data.device
+        self._lib = load_library(portable)
+
+    @property
+    def type_name(self) -> str:
+        return TYPES[self.type_id][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def __repr__(self) -> str:
+        return f"PackedMatrix({self.type_name}, {list(self.shape)})"
+
+    @staticmethod
+    def stack(parts: list[PackedMatrix]) -> PackedMatrix | None:
+        """One matrix of the parts' rows in order, or None when their types or widths
+        differ (the caller keeps them apart)."""
+        first = parts[0]
+        if any(p.type_id != first.type_id or p.cols != first.cols for p in parts):
+            return None
+        return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable)
+
+    def linear(self, x: torch.Tensor, threads: int | None = None, dense: bool | None = None) -> torch.Tensor:
+        """``x @ W.T`` for float32 ``x [..., cols]``: float32 ``[..., rows]``.
+
+        The kernel multiplies the blocks in place; with ``dense`` (default: from
+        ``DENSE_FROM`` tokens on, where a BLAS matrix product outruns it) the same product
+        is taken in float32 instead: the activations rounded as the kernel rounds them,
+        times the weights dequantized ``SCRATCH_FLOATS`` at a time into a scratch buffer
+        (freed on return). Both compute the same quantity and differ by float32 rounding
+        (which the next layer's rounding of activations can enlarge): a caller that needs
+        a token's result independent of its batch picks the path by the token alone, as
+        the model does (its decode rows: the kernel; prefill and extend rows: dense)."""
+        if x.dtype != torch.float32 or x.shape[-1] != self.cols:
+            raise ValueError(f"input must be float32 [..., {self.cols}], got {x.dtype} {list(x.shape)}")
+        threads = threads or torch.get_num_threads()
+        lead, rows = x.shape[:-1], self.shape[0]
+        x2 = x.reshape(-1, self.cols).contiguous()
+        n = x2.shape[0]
+        y = torch.empty(n, rows, dtype=torch.float32)
+        if not (n >= DENSE_FROM if dense is None else dense):
+            status = self._lib.radixkv_qmatmul(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
+                                               y.data_ptr(), threads)  # fmt: skip
+            if status != 0:
+                raise MemoryError("quantized matmul could not allocate its activation buffer")
+            return y.view(*lead, rows)
+        xr = torch.empty_like(x2)
+        self._lib.radixkv_round_activations(x2.data_ptr(), n, self.cols, xr.data_ptr(), threads)
+        step = max(1, SCRATCH_FLOATS // self.cols)
+        scratch = torch.empty(min(step, rows), self.cols, dtype=torch.float32)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            w = scratch[: r1 - r0]
+            self._lib.radixkv_dequant_rows(self.type_id, self.data[r0].data_ptr(), self.cols, None, r1 - r0,
+                                           w.data_ptr(), threads)  # fmt: skip
+            if r1 - r0 == rows:
+                torch.mm(xr, w.t(), out=y)
+            else:
+                y[:, r0:r1] = xr @ w.t()
+        return y.view(*lead, rows)
+
+    def rows(self, ids: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        """Rows ``ids`` (every row when None) dequantized to float32 ``[len(ids), cols]``:
+        an embedding lookup, or the whole matrix."""
+        if ids is None:
+            n, ptr = self.shape[0], None
+        else:
+            ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
+                raise IndexError(f"row ids must be in [0, {self.shape[0]})")
+            n, ptr = ids.numel(), ids.data_ptr()
+        out = torch.empty(n, self.cols, dtype=torch.float32)
+        self._lib.radixkv_dequant_rows(self.type_id, self.data.data_ptr(), self.cols, ptr, n, out.data_ptr(),
+                                       threads or torch.get_num_threads())  # fmt: skip
+        return out
+
+
+class Steps:
+    """The elementwise steps between a native model's products, one C call each
+    (``qmatmul.c``): on float32, contiguous CPU tensors."""
+
+    def __init__(self) -> None:
+        self._lib = load_library()
+
+    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """With ``add``: ``x += add`` in place first. Returns RMSNorm(x) * weight."""
+        n, d = x.shape
+        out = torch.empty_like(x)
+        self._lib.radixkv_add_rms_norm(x.data_ptr(), None if add is None else add.contiguous().data_ptr(),
+                                       weight.data_ptr(), eps, n, d, out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up [n, 2 * inter]`` (gate first): ``[n, inter]``."""
+        n, width = gate_up.shape
+        out = torch.empty(n, width // 2, dtype=torch.float32)
+        self._lib.radixkv_silu_mul(gate_up.data_ptr(), n, width // 2, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding in place on the first ``heads`` heads of each row of ``x``
+        (``[n, >= heads * head_dim]``, half-split layout); ``cos``/``sin`` ``[n, head_dim]``."""
+        self._lib.radixkv_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.contiguous().data_ptr(),
+                               sin.contiguous().data_ptr())  # fmt: skip

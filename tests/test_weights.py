@@ -1,0 +1,250 @@
+"""Native quantized weights (``radixkv.kernels.weights``, ``--weights native``).
+
+The kernel against gguf's own numpy dequantization (an independent implementation) on
+random blocks of every type, in the AVX2 build and the portable C build; batch
+invariance and the thread count; the prefill path against the kernel; the embedded
+model's layers; the native model against the exact fp32 model (KL on chat prompts);
+the engine's greedy contract (cache on = off, batched = alone) with native weights;
+weights settings and their errors; memory after load.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+import radixkv.kernels.weights as weights
+from radixkv.cache import KVPool, PoolConfig
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.engine import Engine
+from radixkv.engine.sampling import SamplingParams
+from radixkv.kernels import get_backend
+from radixkv.kernels.weights import TYPES, PackedMatrix
+from radixkv.model import load_model, resolve_model
+from radixkv.model.batch import ForwardBatch, SeqInput
+
+HALF_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}  # fp16 offsets
+
+
+def random_blocks(type_id: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in ``type_id``'s block layout, with finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    _, values, nbytes = TYPES[type_id]
+    a = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    for off in HALF_FIELDS[type_id]:
+        scales = (rng.standard_normal((rows, cols // values)) * 0.02).astype(np.float16)
+        a[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
+    return a.reshape(rows, -1)
+
+
+def reference(type_id: int, blocks: np.ndarray, cols: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks, GGMLQuantizationType(type_id)).reshape(-1, cols).astype(np.float64))
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """Activations rounded as the kernel rounds them: 16-bit codes per block of 32."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
+    return (torch.round(blocks / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native-isa", "portable"])
+@pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
+def test_kernel_matches_dequantize_then_matmul(type_id, portable):
+    rows, cols = 37, 512
+    blocks = random_blocks(type_id, rows, cols, seed=type_id)
+    w = reference(type_id, blocks, cols)
+    m = PackedMatrix(type_id, torch.from_numpy(blocks), cols, portable=portable)
+    assert torch.equal(m.rows().double(), w)  # dequantization: bit for bit gguf's
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(m.rows(ids).double(), w[ids])
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(type_id))
+    x[0, 3] = 40.0  # an outlier channel, as real activations have
+    y = m.linear(x).double()
+    exact = rounded(x) @ w.T  # what the kernel computes, in float64
+    assert ((y - exact).norm() / exact.norm()) < 3e-6
+    assert ((y - x.double() @ w.T).norm() / exact.norm()) < 1e-4  # the rounding itself is small
+
+
+@pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
+def test_a_token_gets_the_same_bits_alone_or_in_any_batch_on_any_thread_count(type_id):
+    cols = 512
+    m = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 70, cols, seed=1)), cols)
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(2))
+    together = m.linear(x, threads=2)
+    assert torch.equal(together, m.linear(x, threads=1))
+    for i in range(len(x)):
+        assert torch.equal(m.linear(x[i : i + 1], threads=2)[0], together[i])
+    assert torch.equal(m.linear(x[3:9]), together[3:9])
+
+
+def test_the_thread_count_is_honoured():
+    m = PackedMatrix(3, torch.from_numpy(random_blocks(3, 64, 256)), 256)
+    for threads in (1, 2, 3):
+        m.linear(torch.randn(2, 256), threads=threads)
+        assert m._lib.radixkv_qmatmul_last_threads() == threads
+
+
+def test_the_prefill_path_computes_the_same_product(monkeypatch):
+    """From DENSE_FROM tokens on, rounded activations times dequantized weights through
+    the BLAS (in scratch chunks): float32 rounding away from the kernel's result."""
+    cols = 512
+    for type_id in (3, 8, 14):
+        m = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 300, cols)), cols)
+        x = torch.randn(weights.DENSE_FROM + 5, cols)
+        kernel = torch.cat([m.linear(x[i : i + 1]) for i in range(len(x))])
+        dense = m.linear(x)
+        assert ((dense - kernel).norm() / kernel.norm()) < 2e-6
+        monkeypatch.setattr(weights, "SCRATCH_FLOATS", 64 * cols)  # 64 rows at a time: 5 chunks
+        assert torch.allclose(m.linear(x), dense, rtol=0, atol=1e-5)
+        monkeypatch.undo()
+
+
+def test_bad_input_is_refused_with_its_limits():
+    with pytest.raises(ValueError, match="not supported natively"):
+        PackedMatrix(10, torch.zeros(2, 84, dtype=torch.uint8), 256)  # Q2_K
+    with pytest.raises(ValueError, match="multiple of 256"):
+        weights.row_bytes(12, 300)
+    with pytest.raises(ValueError, match=r"uint8 \[rows, 20\]"):
+        PackedMatrix(3, torch.zeros(2, 21, dtype=torch.uint8), 32)
+    m = PackedMatrix(3, torch.from_numpy(random_blocks(3, 4, 64)), 64)
+    with pytest.raises(ValueError, match=r"float32 \[\.\.\., 64\]"):
+        m.linear(torch.zeros(2, 32))
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        m.rows(torch.tensor([4]))
+
+
+# ---------------------------------------------------------------- the embedded model
+
+
+@pytest.fixture(scope="module")
+def native():
+    return load_model(native=True)
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return load_model()
+
+
+def test_embedded_layers_match_their_dequantized_weights(native, exact):
+    """Every packed matrix of layer 0 and the Q8_0 head (tied to the embedding) against
+    the fp32 model's expanded copy of the same file."""
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    for packed, dense in [(native.layers[0].qkv, exact.layers[0].qkv), (native.layers[0].o, exact.layers[0].o),
+                          (native.layers[0].gate_up, exact.layers[0].gate_up), (native.lm_head, exact.lm_head)]:  # fmt: skip
+        assert isinstance(packed, PackedMatrix)
+        assert torch.equal(packed.rows(), dense)  # the same values, rows reordered as the loader reorders them
+        assert (packed.linear(x) - x @ dense.T).norm() / (x @ dense.T).norm() < 1e-4
+    h = torch.randn(3, 1536)
+    y, ref = native.layers[0].down.linear(h), h @ exact.layers[0].down.T
+    assert (y - ref).norm() / ref.norm() < 1e-4
+    assert native.lm_head is native.embed  # one copy of the tied embedding and head
+    assert {t.type_name for t in (native.layers[0].qkv, native.embed)} == {"Q4_1", "Q8_0"}
+
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child in two "
+         "sentences.", "List three prime numbers."]  # fmt: skip
+KL_BOUND = 1e-4  # native vs fp32 weights, per next-token distribution (README states it)
+
+
+def chat_ids(question: str) -> list[int]:
+    with Engine(kv_cache_tokens=256, weights="fp32") as e:
+        return e.chat_prompt_ids([{"role": "user", "content": question}])
+
+
+def all_logits(model, ids):
+    c = model.config
+    pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=64))
+    table = pool.alloc(-(-len(ids) // 16))
+    return model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 16), pool, get_backend("torch"), all_logits=True)
+
+
+def test_native_logits_stay_within_the_stated_kl_of_fp32(native, exact):
+    worst = 0.0
+    for q in CHATS:
+        ids = chat_ids(q)
+        p = torch.log_softmax(all_logits(exact, ids).double(), -1)
+        r = torch.log_softmax(all_logits(native, ids).double(), -1)
+        kl = (p.exp() * (p - r)).sum(-1)
+        worst = max(worst, float(kl.max()))
+        assert int(p[-1].argmax()) == int(r[-1].argmax())
+    assert worst < KL_BOUND
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def test_auto_runs_the_quantized_gguf_natively_and_fp32_stays_exact():
+    source = resolve_model("smollm2-135m-instruct")
+    assert EngineConfig().native_weights(source)
+    assert not EngineConfig(weights="fp32").native_weights(source)
+    assert not EngineConfig(dtype="bfloat16").native_weights(source)  # auto expands where native cannot run
+    assert EngineConfig(weights="bf16").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"weights": "int4"}, "weights must be one of auto, native, fp32, bf16, fp16"),
+    ({"weights": "native", "dtype": "bfloat16"}, "weights native computes in float32 on the CPU"),
+    ({"weights": "native", "device": "cuda"}, "weights native computes in float32 on the CPU"),
+    ({"weights": "native", "tp": 3}, "weights native does not support tp > 1"),
+    ({"weights": "fp32", "dtype": "bfloat16"}, "weights fp32 expands the weights to float32, but dtype is bfloat16"),
+])  # fmt: skip
+def test_weights_settings_errors_name_the_field(settings, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**settings)
+
+
+def test_native_weights_refuse_a_model_that_is_not_gguf(tmp_path):
+    from tests.test_model_hf_dir import write_checkpoint
+
+    write_checkpoint(tmp_path, "llama")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        load_model(tmp_path, native=True)
+    assert not EngineConfig().native_weights(resolve_model(str(tmp_path)))  # auto expands it
+
+
+def test_greedy_tokens_with_native_weights_do_not_depend_on_cache_or_batch():
+    prompts = [chat_ids(q) for q in CHATS[:3]]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    with Engine(kv_cache_tokens=4096, page_size=4, enable_prefix_cache=False) as cold:
+        alone = [cold.generate(p, greedy).outputs[0].token_ids for p in prompts]
+    with Engine(kv_cache_tokens=4096, page_size=4) as warm:
+        assert warm.model.native and warm.stats()["weights"]["mode"] == "native"
+        warm.generate(prompts[0][:-3], greedy)  # a cached prefix, then an extend shorter than DENSE_FROM
+        batched = [o.outputs[0].token_ids for o in warm.generate(prompts, greedy)]
+        again = [warm.generate(p, greedy) for p in prompts]
+        warm.check_integrity()
+    assert batched == alone
+    assert [o.outputs[0].token_ids for o in again] == alone
+    assert all(o.cached_tokens > 0 for o in again)
+
+
+def test_rss_after_loading_native_weights_stays_near_the_packed_bytes():
+    """A fresh process: torch imported, then the native model loaded. What loading adds
+    stays within the packed weights' bytes + 40 MB (no float copy of any matrix), and the
+    file is no longer mapped (its pages would count too)."""
+    code = """
+import json
+import torch
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+before = rss()
+from radixkv.model import load_model, resolve_model
+m = load_model(native=True)
+packed = sum(t.numel() * t.element_size() for _, t in m.tensors())
+mapped = str(resolve_model("smollm2-135m-instruct").path) in open("/proc/self/maps").read()
+print(json.dumps({"before": before, "after": rss(), "weights": packed, "mapped": mapped}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["weights"] < 120e6  # 4.5 to 8.5 bits a weight for 135M weights (fp32 would be 540 MB)
+    assert r["after"] - r["before"] < r["weights"] + 40e6, r
+    assert not r["mapped"]
