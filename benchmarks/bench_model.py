@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import transformers_decode_seconds, write_result  # noqa: E402
+from benchmarks.common import paged_decode_seconds, transformers_decode_seconds, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
@@ -58,16 +58,7 @@ def bench_radixkv(prompt, prompts, repeat, backend):
     prefill = timed(lambda: model.forward(ForwardBatch.build([SeqInput(prompt, 0, table)], 16), pool, backend), repeat)
 
     def decode():
-        tables = [pool.alloc(-(-(CONTEXT + STEPS) // 16)) for _ in prompts]
-        logits = model.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool, backend)
-        tokens = logits.argmax(-1).tolist()
-        t0 = time.perf_counter()
-        for step in range(STEPS):
-            seqs = [SeqInput([tok], CONTEXT + step, t) for tok, t in zip(tokens, tables)]
-            tokens = model.forward(ForwardBatch.build(seqs, 16), pool, backend).argmax(-1).tolist()
-        elapsed = time.perf_counter() - t0
-        pool.decref(np.concatenate(tables))
-        return elapsed
+        return paged_decode_seconds(model, pool, backend, prompts, STEPS)
 
     decode()
     step_time = statistics.median(decode() for _ in range(repeat))

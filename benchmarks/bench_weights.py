@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import paged_decode_seconds, write_result  # noqa: E402
 
 PREFILL, CONTEXT, STEPS_B1, BATCH, STEPS_B16 = 512, 128, 64, 16, 32
 LLAMA_BIN = ROOT / ".peers" / "llama.cpp-bin" / "bin"
@@ -76,16 +76,7 @@ def worker(mode: str, threads: int) -> dict:
 
     def decode(batch: int, steps: int) -> float:
         prompts = rng.integers(0, c.vocab_size, (batch, CONTEXT)).tolist()
-        tables = [pool.alloc(-(-(CONTEXT + steps) // 16)) for _ in prompts]
-        seqs = [SeqInput(p, 0, t) for p, t in zip(prompts, tables)]
-        tokens = model.forward(ForwardBatch.build(seqs, 16), pool, backend).argmax(-1).tolist()
-        t0 = time.perf_counter()
-        for step in range(steps):
-            seqs = [SeqInput([tok], CONTEXT + step, t) for tok, t in zip(tokens, tables)]
-            tokens = model.forward(ForwardBatch.build(seqs, 16), pool, backend).argmax(-1).tolist()
-        elapsed = time.perf_counter() - t0
-        pool.decref(np.concatenate(tables))
-        return batch * steps / elapsed
+        return batch * steps / paged_decode_seconds(model, pool, backend, prompts, steps)
 
     prefill(), decode(1, 4)  # warm-up
     return {"prefill_tok_s": statistics.median(prefill() for _ in range(3)), "decode_b1_tok_s": decode(1, STEPS_B1),

@@ -23,6 +23,27 @@ FIDELITY_CHATS = [
 
 
 @torch.inference_mode()
+def paged_decode_seconds(model, pool, backend, prompts: list[list[int]], steps: int, page_size: int = 16) -> float:
+    """Seconds radixkv's model takes for ``steps`` batched greedy one-token steps over
+    ``pool`` after an untimed prefill of ``prompts`` (all the same length), as an engine
+    step runs them (``LlamaModel.forward`` on a ``ForwardBatch``); the pages go back after."""
+    import numpy as np
+
+    from radixkv.model.batch import ForwardBatch, SeqInput
+
+    context = len(prompts[0])
+    tables = [pool.alloc(-(-(context + steps) // page_size)) for _ in prompts]
+    seqs = [SeqInput(p, 0, t) for p, t in zip(prompts, tables)]
+    tokens = model.forward(ForwardBatch.build(seqs, page_size), pool, backend).argmax(-1).tolist()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        seqs = [SeqInput([tok], context + step, t) for tok, t in zip(tokens, tables)]
+        tokens = model.forward(ForwardBatch.build(seqs, page_size), pool, backend).argmax(-1).tolist()
+    elapsed = time.perf_counter() - t0
+    pool.decref(np.concatenate(tables))
+    return elapsed
+
+
 def transformers_decode_seconds(model, prompts: list[list[int]], steps: int) -> float:
     """Seconds transformers' batched greedy loop takes for ``steps`` one-token steps
     after an untimed prefill of ``prompts`` (all the same length: no padding)."""

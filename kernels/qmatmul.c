@@ -61,7 +61,7 @@ static inline float half(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #ifdef __F16C__
     return _cvtsh_ss(h);
-#endif
+#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
     if (e == 0) {  /* zero or subnormal: m * 2^-24 */
         float v = (float)m * 5.9604644775390625e-8f;
@@ -71,6 +71,7 @@ static inline float half(const uint8_t *p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 /* The 6-bit scale and min of group j of a Q4_K / Q5_K super-block. */
@@ -102,7 +103,7 @@ static int block_bytes(int type) {
     }
 }
 
-int64_t radixkv_row_bytes(int type, int64_t cols) {
+static int64_t row_bytes(int type, int64_t cols) {
     int bv = block_values(type), bb = block_bytes(type);
     if (bb == 0 || cols % bv != 0) return -1;
     return cols / bv * bb;
@@ -184,7 +185,7 @@ static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
  * unknown type or a row length the type's blocks do not divide. */
 int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out,
                          int threads) {
-    int64_t rb = radixkv_row_bytes(type, cols);
+    int64_t rb = row_bytes(type, cols);
     if (rb < 0) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) dequant_row(type, w + (ids ? ids[i] : i) * rb, cols, out + i * cols);
@@ -491,7 +492,7 @@ int radixkv_qmatmul_last_threads(void) { return last_threads; }
  * blocks do not divide; -2 when the activation buffer cannot be allocated. */
 int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                     int threads) {
-    int64_t rb = radixkv_row_bytes(type, cols);
+    int64_t rb = row_bytes(type, cols);
     if (rb < 0) return -1;
     int64_t nb = cols / 32;
     xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * n));

@@ -40,7 +40,6 @@ TYPES = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
-TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
 
 DENSE_FROM = 32  # tokens from which linear() takes the dequantize-and-BLAS path
 SCRATCH_FLOATS = 4 << 20  # at most this many weights dequantized at a time (16 MiB)
@@ -67,8 +66,6 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_dequant_rows.restype = _int
             lib.radixkv_round_activations.argtypes = [_ptr, _i64, _i64, _ptr, _int]
             lib.radixkv_round_activations.restype = None
-            lib.radixkv_row_bytes.argtypes = [_int, _i64]
-            lib.radixkv_row_bytes.restype = _i64
             lib.radixkv_qmatmul_last_threads.restype = _int
             lib.radixkv_add_rms_norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _int]
             lib.radixkv_add_rms_norm.restype = None
@@ -111,17 +108,11 @@ class PackedMatrix:
         self.data = data.contiguous()
         self.cols = cols
         self.shape = (data.shape[0], cols)
-        self.dtype = torch.float32  # what linear() returns
-        self.device = data.device
         self._lib = load_library(portable)
 
     @property
     def type_name(self) -> str:
         return TYPES[self.type_id][0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
 
     def __repr__(self) -> str:
         return f"PackedMatrix({self.type_name}, {list(self.shape)})"
@@ -154,9 +145,9 @@ class PackedMatrix:
         n = x2.shape[0]
         y = torch.empty(n, rows, dtype=torch.float32)
         if not (n >= DENSE_FROM if dense is None else dense):
-            status = self._lib.radixkv_qmatmul(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
-                                               y.data_ptr(), threads)  # fmt: skip
-            if status != 0:
+            # the type and the width were checked when the matrix was made: a failure is the allocation
+            if self._lib.radixkv_qmatmul(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
+                                         y.data_ptr(), threads) != 0:  # fmt: skip
                 raise MemoryError("quantized matmul could not allocate its activation buffer")
             return y.view(*lead, rows)
         xr = torch.empty_like(x2)
@@ -215,5 +206,5 @@ class Steps:
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotary embedding in place on the first ``heads`` heads of each row of ``x``
         (``[n, >= heads * head_dim]``, half-split layout); ``cos``/``sin`` ``[n, head_dim]``."""
-        self._lib.radixkv_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.contiguous().data_ptr(),
-                               sin.contiguous().data_ptr())  # fmt: skip
+        cos, sin = cos.contiguous(), sin.contiguous()
+        self._lib.radixkv_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())

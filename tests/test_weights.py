@@ -8,6 +8,7 @@ the engine's greedy contract (cache on = off, batched = alone) with native weigh
 weights settings and their errors; memory after load.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -28,6 +29,8 @@ from radixkv.kernels import get_backend
 from radixkv.kernels.weights import TYPES, PackedMatrix
 from radixkv.model import load_model, resolve_model
 from radixkv.model.batch import ForwardBatch, SeqInput
+from radixkv.model.chat_template import ChatTemplate
+from radixkv.model.tokenizer import Tokenizer
 
 HALF_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}  # fp16 offsets
 
@@ -154,9 +157,12 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Expl
 KL_BOUND = 1e-4  # native vs fp32 weights, per next-token distribution (README states it)
 
 
+@functools.cache
 def chat_ids(question: str) -> list[int]:
-    with Engine(kv_cache_tokens=256, weights="fp32") as e:
-        return e.chat_prompt_ids([{"role": "user", "content": question}])
+    source = resolve_model("smollm2-135m-instruct")
+    tok = Tokenizer.load(source)
+    return ChatTemplate.from_tokenizer(tok).encode(tok, [{"role": "user", "content": question}],
+                                                   add_generation_prompt=True)  # fmt: skip
 
 
 def all_logits(model, ids):

@@ -24,10 +24,7 @@ from radixkv.model.batch import ForwardBatch
 from radixkv.kernels import AttentionBackend, get_backend
 from radixkv.model.config import ModelConfig
 
-try:
-    from radixkv.kernels.weights import PackedMatrix
-except ImportError:  # pragma: no cover - the module always imports; its library builds on first use
-    PackedMatrix = ()
+from radixkv.kernels.weights import PackedMatrix, Steps  # the C library builds on first use
 
 
 class Stacked:
@@ -36,11 +33,9 @@ class Stacked:
 
     def __init__(self, parts: list):
         self.parts = parts
-        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
 
     def linear(self, x: torch.Tensor, dense: bool | None = None) -> torch.Tensor:
-        return torch.cat([p.linear(x, dense=dense) if isinstance(p, PackedMatrix) else _linear(x, p)
-                          for p in self.parts], dim=-1)  # fmt: skip
+        return torch.cat([_linear(x, p, dense=dense) for p in self.parts], dim=-1)
 
 
 Matrix = torch.Tensor | PackedMatrix | Stacked  # a weight matrix [out, in] as _linear takes it
@@ -81,12 +76,12 @@ class LlamaModel:
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
         self.dtype = norm.dtype  # activations' (packed matrices compute in float32)
         self.device = norm.device
-        self.native = any(isinstance(t, PackedMatrix) for _, t in self._matrices())
+        self.native = any(":" in name for name, _ in self.tensors())  # a packed matrix, alone or stacked
         # Tensor parallelism (radixkv.model.tp): sums a partial ``[T, hidden]`` in place
         # across the ranks, after o_proj and after down_proj; None: the whole model here.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._steps = None  # a native model's elementwise steps (radixkv.kernels.weights.Steps)
+        self._steps = Steps() if self.native else None  # a native model's elementwise steps, in C
 
     def _matrices(self) -> list[tuple[str, Matrix]]:
         out = [("embed", self.embed), ("norm", self.norm)]
@@ -112,11 +107,13 @@ class LlamaModel:
         """How the weights are held: ``mode`` (``native``: some matrices in their GGUF
         blocks, else the dtype), their bytes, and the matrices per type."""
         types: dict[str, int] = {}
+        nbytes = 0
         for name, t in self.tensors():
             kind = name.rsplit(":", 1)[1] if ":" in name else str(t.dtype).removeprefix("torch.")
             types[kind] = types.get(kind, 0) + 1
-        return {"mode": "native" if self.native else str(self.dtype).removeprefix("torch."),
-                "bytes": sum(t.numel() * t.element_size() for _, t in self.tensors()), "tensors": types}
+            nbytes += t.numel() * t.element_size()
+        return {"mode": "native" if self.native else str(self.dtype).removeprefix("torch."), "bytes": nbytes,
+                "tensors": types}
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaModel:
@@ -162,14 +159,17 @@ class LlamaModel:
         backend.plan(batch)
         cos, sin = self._rope(batch.positions)
         x = _embed(batch.input_ids, self.embed)
-        layers = self._native_layers if self.native else self._dense_layers
-        x = layers(x, batch, pool, backend, cos, sin)
+        head = _linear
+        if self.native:
+            mm = _routed_linear(batch)
+            x = self._native_layers(x, batch, pool, backend, cos, sin, mm)
+            head = mm if all_logits else partial(_linear, dense=False)  # a row per sequence: the kernel
+        else:
+            x = self._dense_layers(x, batch, pool, backend, cos, sin)
         if not all_logits:
             x = x[(batch.qo_indptr[1:] - 1).long()]
         x = _rms_norm(x, self.norm, cfg.rms_norm_eps)
-        if self.native:  # a row per sequence: the kernel; every row: routed by its sequence, as the layers
-            return (_routed_linear(batch) if all_logits else partial(_linear, dense=False))(x, self.lm_head)
-        return _linear(x, self.lm_head).float()
+        return head(x, self.lm_head).float()
 
     def _dense_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
         """The layers, step by step as HF transformers computes them (the exact mode)."""
@@ -195,23 +195,18 @@ class LlamaModel:
             x = x + out
         return x
 
-    def _native_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
-        """The layers of a native model: products on the packed blocks, the steps between
-        them in one C call each (``radixkv.kernels.weights.Steps``), the residual stream
-        ``x`` updated in place. The same arithmetic as the dense loop, float32."""
-        cfg = self.config
-        if self._steps is None:
-            from radixkv.kernels.weights import Steps
-
-            self._steps = Steps()
-        steps, eps = self._steps, cfg.rms_norm_eps
+    def _native_layers(self, x, batch, pool, backend, cos, sin, mm) -> torch.Tensor:
+        """The layers of a native model: products on the packed blocks (``mm``: routed by
+        sequence, ``_routed_linear``), the steps between them in one C call each
+        (``radixkv.kernels.weights.Steps``), the residual stream ``x`` updated in place.
+        The same arithmetic as the dense loop, float32."""
+        cfg, steps, eps = self.config, self._steps, self.config.rms_norm_eps
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        mm = _routed_linear(batch)
-        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        cos, sin = cos.reshape(-1, d), sin.reshape(-1, d)
         x = x.contiguous()
         h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
         for i, w in enumerate(self.layers):
-            qkv = mm(h, w.qkv, w.qkv_bias).contiguous()
+            qkv = mm(h, w.qkv, w.qkv_bias)  # contiguous rows: RoPE works in place on them
             steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place
             q = qkv[:, : hq * d].view(-1, hq, d)
             k = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)

@@ -102,7 +102,9 @@ def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelC
             w = unpermute_rotary(w, config.num_heads)
         elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rotary(w, config.num_kv_heads)
-        w = torch.from_numpy(np.array(w, copy=True, order="C"))  # a copy: the file is mapped read-only
+        # the file is mapped read-only and unmapped below: copy what still views it (a packed matrix,
+        # an F32 tensor), take the rest (dequantize's own arrays) as they are
+        w = torch.from_numpy(np.array(w, order="C") if np.may_share_memory(w, t.data) else np.ascontiguousarray(w))
         sd[name] = PackedMatrix(int(t.tensor_type), w, shape[1]) if w.dtype == torch.uint8 else w
     _check_complete(sd, config, path)
     del reader, t
