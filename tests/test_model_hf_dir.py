@@ -106,8 +106,13 @@ def test_bad_dtype_names_the_choices():
         load_model(dtype="float64")
 
 
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # what write_gguf lays out as llama.cpp does
+
+
 def write_gguf(path, hf_model, architecture="llama"):
-    """A float32 GGUF of ``hf_model`` laid out as llama.cpp writes it (q/k rows permuted)."""
+    """A float32 GGUF of ``hf_model`` laid out as llama.cpp's converter writes it: tensor
+    names from gguf's own map for the architecture, q/k rows permuted only where
+    llama.cpp rotates consecutive pairs (llama)."""
     import gguf
 
     cfg = hf_model.config
@@ -126,39 +131,33 @@ def write_gguf(path, hf_model, architecture="llama"):
         rows = t.shape[0]
         return t.reshape(heads, 2, rows // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
-    names = {v: k for k, v in {
-        "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}.items()}  # fmt: skip
-    layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-             "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    arch = {n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}[architecture]
+    names = gguf.get_tensor_name_map(arch if architecture in GGUF_ARCHITECTURES else gguf.MODEL_ARCH.LLAMA,
+                                     cfg.num_hidden_layers)  # fmt: skip
     for name, tensor in hf_model.state_dict().items():
         t = tensor.detach().numpy().astype(np.float32)
-        if name.startswith("model.layers."):
-            i, rest = name[len("model.layers.") :].split(".", 1)
-            gname = f"blk.{i}.{layer[rest]}"
-            if rest == "self_attn.q_proj.weight":
-                t = permute(t, cfg.num_attention_heads)
-            elif rest == "self_attn.k_proj.weight":
-                t = permute(t, cfg.num_key_value_heads)
-        else:
-            gname = names[name]
-        w.add_tensor(gname, np.ascontiguousarray(t))
+        if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            t = permute(t, cfg.num_attention_heads)
+        elif architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            t = permute(t, cfg.num_key_value_heads)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def test_gguf_written_like_llama_cpp_loads_to_the_hf_weights(tmp_path):
-    hf = write_checkpoint(tmp_path / "hf", "llama")
-    write_gguf(tmp_path / "tiny.gguf", hf)
+@pytest.mark.parametrize("variant, architecture", [("llama", "llama"), ("qwen2-bias", "qwen2")])
+def test_gguf_written_like_llama_cpp_loads_to_the_hf_weights(tmp_path, variant, architecture):
+    """llama.cpp permutes llama's q/k rows (the loader puts them back) but keeps qwen2's
+    in HF's order, biases included."""
+    hf = write_checkpoint(tmp_path / "hf", variant)
+    write_gguf(tmp_path / "tiny.gguf", hf, architecture)
     from radixkv.model import load_state_dict
 
     config, sd = load_state_dict(resolve_model(tmp_path / "tiny.gguf"))
     assert config.num_kv_heads == 2 and not config.tie_word_embeddings
+    assert config.architecture == architecture
     theirs = hf.state_dict()
     assert set(sd) == set(theirs)
     for name, tensor in sd.items():

@@ -1,8 +1,10 @@
 """Load weights as HF-named tensors from a GGUF file or a local HF directory.
 
-GGUF tensors are dequantized with the ``gguf`` package. llama.cpp stores the q and k
-projections with their rows interleaved for its rotary layout; they are put back in
-HF's half-split order here, so both sources yield the same state dict.
+GGUF tensors are dequantized with the ``gguf`` package. For the architectures llama.cpp
+rotates by consecutive pairs (``llama``, ``mistral``) its converter stores the q and k
+projections with their rows interleaved; they are put back in HF's half-split order
+here, so both sources yield the same state dict. The others (``qwen2``, ...) keep HF's
+order, which llama.cpp's half-split ("NEOX") rotation reads as it is.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Architectures whose q/k rows llama.cpp's converter permutes (its rope type "NORM").
+_PERMUTED_ROTARY = ("llama", "mistral")
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -98,9 +102,10 @@ def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelC
                 raise ModelLoadError(f"{path}: tensor {t.name} uses unsupported quantization "
                                      f"{t.tensor_type.name}") from None  # fmt: skip
             w = np.asarray(w, dtype=np.float32).reshape(shape)
-        if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        permuted = config.architecture in _PERMUTED_ROTARY
+        if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rotary(w, config.num_heads)
-        elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rotary(w, config.num_kv_heads)
         # the file is mapped read-only and unmapped below: copy what still views it (a packed matrix,
         # an F32 tensor), take the rest (dequantize's own arrays) as they are
