@@ -29,6 +29,10 @@ VARIANTS = {
     ),
     "qwen2-bias": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
     "mistral-window": (transformers.MistralConfig, dict(sliding_window=6, head_dim=16)),
+    "qwen3-qk-norm": (transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3-window-on-layer-1": (  # layer_types: only the layers from max_window_layers on slide
+        transformers.Qwen3Config, dict(head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
 }
 
 
@@ -106,14 +110,16 @@ def test_bad_dtype_names_the_choices():
         load_model(dtype="float64")
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")  # what write_gguf lays out as llama.cpp does
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what write_gguf lays out as llama.cpp does
 
 
-def write_gguf(path, hf_model, architecture="llama"):
-    """A float32 GGUF of ``hf_model`` laid out as llama.cpp's converter writes it: tensor
-    names from gguf's own map for the architecture, q/k rows permuted only where
-    llama.cpp rotates consecutive pairs (llama)."""
+def write_gguf(path, hf_model, architecture="llama", matrices=None):
+    """A GGUF of ``hf_model`` laid out as llama.cpp's converter writes it: tensor names
+    from gguf's own map for the architecture, q/k rows permuted only where llama.cpp
+    rotates consecutive pairs (llama), no output matrix when the head is tied. Float32,
+    or the 2-D matrices quantized to ``matrices`` (a ``GGMLQuantizationType``)."""
     import gguf
+    from gguf.quants import quantize
 
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), architecture)
@@ -123,8 +129,11 @@ def write_gguf(path, hf_model, architecture="llama"):
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
 
     def permute(t, heads):  # HF halves -> llama.cpp interleaved pairs
@@ -135,12 +144,18 @@ def write_gguf(path, hf_model, architecture="llama"):
     names = gguf.get_tensor_name_map(arch if architecture in GGUF_ARCHITECTURES else gguf.MODEL_ARCH.LLAMA,
                                      cfg.num_hidden_layers)  # fmt: skip
     for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # save_pretrained leaves the tied head out, and so does the converter
         t = tensor.detach().numpy().astype(np.float32)
         if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = permute(t, cfg.num_attention_heads)
         elif architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute(t, cfg.num_key_value_heads)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(t))
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if matrices is not None and t.ndim == 2:
+            w.add_tensor(gname, quantize(t, matrices), raw_dtype=matrices)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -169,3 +184,48 @@ def test_gguf_with_an_unsupported_architecture_is_a_clear_error(tmp_path):
     write_gguf(tmp_path / "odd.gguf", hf, architecture="mamba")
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'mamba'"):
         load_model(tmp_path / "odd.gguf")
+
+
+def prompts(vocab=97):
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, vocab, 5).tolist(), rng.integers(0, vocab, 12).tolist()),
+            (rng.integers(0, vocab, 9).tolist(), rng.integers(0, vocab, 1).tolist())]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant, architecture", [("qwen3-qk-norm", "qwen3")])
+def test_gguf_of_a_tiny_checkpoint_matches_transformers(tmp_path, variant, architecture):
+    """The GGUF llama.cpp's converter would write, loaded by radixkv, against transformers
+    running the checkpoint it came from."""
+    hf = write_checkpoint(tmp_path / "hf", variant)
+    write_gguf(tmp_path / "tiny.gguf", hf, architecture)
+    ours = load_model(tmp_path / "tiny.gguf")
+    assert ours.config.architecture == architecture
+    seqs = prompts()
+    for (prefix, rest), mine in zip(seqs, run_ours(ours, seqs)):
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prefix + rest])).logits[0]
+        assert (mine - theirs).abs().max() < 1e-4, variant
+
+
+@pytest.mark.parametrize("variant, architecture", [("qwen3-qk-norm", "qwen3")])
+def test_native_weights_of_a_quantized_gguf_follow_its_fp32_expansion(tmp_path, variant, architecture):
+    """The native path (packed Q8_0 matrices, the steps between them) against the exact
+    fp32 path on the same file: the same architecture-specific steps, so the logits agree
+    up to the kernel's 16-bit activation rounding."""
+    from gguf import GGMLQuantizationType
+
+    hf = write_checkpoint(tmp_path / "hf", variant)
+    write_gguf(tmp_path / "q8.gguf", hf, architecture, matrices=GGMLQuantizationType.Q8_0)
+    native, exact = load_model(tmp_path / "q8.gguf", native=True), load_model(tmp_path / "q8.gguf")
+    assert native.native and not exact.native
+    seqs = prompts()
+    for mine, theirs in zip(run_ours(native, seqs), run_ours(exact, seqs)):
+        assert (mine - theirs).abs().max() < 1e-3, variant
+
+
+def test_bad_layer_types_name_the_field(tmp_path):
+    cfg = {"model_type": "qwen3", **TINY, "use_sliding_window": True, "sliding_window": 4,
+           "layer_types": ["full_attention", "local"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="layer_types must give each of the 2 layers one of"):
+        load_model(tmp_path)

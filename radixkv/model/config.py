@@ -1,4 +1,4 @@
-"""Model configuration for Llama-family decoders (Llama, Mistral, Qwen2, SmolLM).
+"""Model configuration for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM).
 
 One frozen dataclass, built from an HF ``config.json`` dict or from GGUF metadata.
 """
@@ -11,8 +11,9 @@ import torch
 
 from radixkv.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_KINDS = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's layer_types
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # Mistral-style local attention, in tokens
+    sliding_layers: tuple[bool, ...] | None = None  # per layer: attends within sliding_window; None: every layer
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -55,6 +58,14 @@ class ModelConfig:
             raise ModelLoadError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.rope_scaling.kind not in ROPE_KINDS:
             raise ModelLoadError(f"unsupported rope scaling {self.rope_scaling.kind!r}; supported: {', '.join(ROPE_KINDS)}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ModelLoadError(f"sliding_layers names {len(self.sliding_layers)} layers, the model has {self.num_layers}")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention, in tokens (None: all of the context)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -68,6 +79,10 @@ class ModelConfig:
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        layers = cfg["num_hidden_layers"]
+        sliding = _sliding_layers(cfg, arch, layers) if window is not None else None
+        if sliding is not None and not any(sliding):
+            window = sliding = None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -84,6 +99,8 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
             sliding_window=window,
+            sliding_layers=None if sliding is None or all(sliding) else sliding,
+            qk_norm=arch == "qwen3",
         )
 
     @classmethod
@@ -127,6 +144,7 @@ class ModelConfig:
             tie_word_embeddings=tie_word_embeddings,
             attention_bias=arch == "qwen2",
             sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+            qk_norm=arch == "qwen3",
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -148,6 +166,20 @@ class ModelConfig:
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = torch.where(medium, blended, scaled)
         return inv
+
+
+def _sliding_layers(cfg: dict, arch: str, layers: int) -> tuple[bool, ...]:
+    """Which layers attend within the sliding window: ``layer_types`` when the config
+    lists them, else as HF derives them (Qwen2/3: the layers from ``max_window_layers``
+    on; the others: every layer)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", 28) if arch in ("qwen2", "qwen3") else 0
+        return tuple(i >= first for i in range(layers))
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ModelLoadError(f"config.json layer_types must give each of the {layers} layers one of "
+                             f"{', '.join(LAYER_TYPES)}, got {types!r}")  # fmt: skip
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def _rope_from_hf(rope: dict) -> RopeScaling:

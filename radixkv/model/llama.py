@@ -1,7 +1,9 @@
-"""Llama-family decoder over a paged KV pool (Llama, Mistral, Qwen2, SmolLM).
+"""Llama-family decoder over a paged KV pool (Llama, Mistral, Qwen2, Qwen3, SmolLM).
 
 RMSNorm, RoPE (half-split layout, as HF stores q/k), GQA/MQA attention through a
-backend from ``radixkv.kernels``, SwiGLU MLP, tied or untied output head. One
+backend from ``radixkv.kernels``, SwiGLU MLP, tied or untied output head; per
+architecture (``ModelConfig``) q/k/v biases, per-head q/k norms and sliding windows on
+all or some layers. One
 ``forward`` computes a whole ragged batch (``ForwardBatch``): every sequence's new
 tokens, attending to the KV already in the pool; per layer the pool stores the new
 tokens' K/V at ``out_slots`` (in its KV format) and the backend reads the layer's view.
@@ -62,6 +64,8 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: Matrix  # [2 * intermediate, hidden]: gate, up stacked
     down: Matrix  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [D], over each query head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D], over each key head
 
 
 class LlamaModel:
@@ -124,6 +128,9 @@ class LlamaModel:
             qkv_bias = None
             if config.attention_bias:
                 qkv_bias = torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            qk_norms = {}
+            if config.qk_norm:
+                qk_norms = {f"{n}_norm": sd[p + f"self_attn.{n}_norm.weight"] for n in "qk"}
             layers.append(
                 LayerWeights(
                     attn_norm=sd[p + "input_layernorm.weight"],
@@ -133,6 +140,7 @@ class LlamaModel:
                     mlp_norm=sd[p + "post_attention_layernorm.weight"],
                     gate_up=stack_rows([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
                     down=sd[p + "mlp.down_proj.weight"],
+                    **qk_norms,
                 )
             )
         embed = sd["model.embed_tokens.weight"]
@@ -178,11 +186,14 @@ class LlamaModel:
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
             qkv = _linear(h, w.qkv, w.qkv_bias)
-            qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k at once
-            q, k = qk.split([hq, hkv], dim=1)
+            qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
+            if w.q_norm is not None:
+                qk = torch.cat([_rms_norm(qk[:, :hq], w.q_norm, cfg.rms_norm_eps),
+                                _rms_norm(qk[:, hq:], w.k_norm, cfg.rms_norm_eps)], dim=1)  # fmt: skip
+            q, k = _apply_rope(qk, cos, sin).split([hq, hkv], dim=1)  # q and k at once
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.sliding_window)
+            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.window(i))
             out = _linear(o.reshape(-1, hq * d), w.o)
             if reduce is not None:
                 reduce(out)
@@ -206,13 +217,17 @@ class LlamaModel:
         x = x.contiguous()
         h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
         for i, w in enumerate(self.layers):
-            qkv = mm(h, w.qkv, w.qkv_bias)  # contiguous rows: RoPE works in place on them
+            qkv = mm(h, w.qkv, w.qkv_bias)  # contiguous rows: the q/k norms and RoPE work in place on them
+            if w.q_norm is not None:
+                qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
+                qk[:, :hq] = _rms_norm(qk[:, :hq], w.q_norm, eps)
+                qk[:, hq:] = _rms_norm(qk[:, hq:], w.k_norm, eps)
             steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place
             q = qkv[:, : hq * d].view(-1, hq, d)
             k = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.sliding_window)
+            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.window(i))
             h = steps.add_rms_norm(x, mm(o.reshape(-1, hq * d), w.o), w.mlp_norm, eps)
             out = mm(steps.silu_mul(mm(h, w.gate_up)), w.down)
             if i + 1 < len(self.layers):

@@ -39,6 +39,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (its rope type "NORM").
 _PERMUTED_ROTARY = ("llama", "mistral")
@@ -141,14 +143,24 @@ def load_hf_state_dict(path: str | Path) -> tuple[ModelConfig, dict[str, torch.T
     return config, sd
 
 
+def _layer_tensors(config: ModelConfig) -> list[str]:
+    """The HF names (after ``model.layers.N.``) every layer of ``config`` needs."""
+    names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+             "mlp.down_proj.weight", *(f"self_attn.{n}_proj.weight" for n in "qkv"), "mlp.gate_proj.weight",
+             "mlp.up_proj.weight"]  # fmt: skip
+    if config.attention_bias:
+        names += [f"self_attn.{n}_proj.bias" for n in "qkv"]
+    if config.qk_norm:
+        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return names
+
+
 def _check_complete(sd: dict, config: ModelConfig, path) -> None:
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
     for i in range(config.num_layers):
-        needed += [f"model.layers.{i}.{n}" for n in _GGUF_LAYER_NAMES.values() if not n.endswith(".bias")]
-        if config.attention_bias:
-            needed += [f"model.layers.{i}.self_attn.{n}_proj.bias" for n in "qkv"]
+        needed += [f"model.layers.{i}.{n}" for n in _layer_tensors(config)]
     missing = [n for n in needed if n not in sd]
     if missing:
         raise ModelLoadError(f"{path}: missing tensors, e.g. {missing[:3]} ({len(missing)} in all)")

@@ -94,12 +94,11 @@ def shard_model(model: LlamaModel, rank: int, world: int, logits: bool = True) -
     layers = []
     for w in model.layers:
         gate, up = w.gate_up[:inter], w.gate_up[inter:]
-        layers.append(LayerWeights(
-            attn_norm=w.attn_norm,
+        layers.append(dataclasses.replace(  # norms (per head for q/k: the same on every head) stay whole
+            w,
             qkv=torch.cat([w.qkv[q], w.qkv[k], w.qkv[v]]),
             qkv_bias=None if w.qkv_bias is None else torch.cat([w.qkv_bias[q], w.qkv_bias[k], w.qkv_bias[v]]),
             o=w.o[:, q].contiguous(),
-            mlp_norm=w.mlp_norm,
             gate_up=torch.cat([gate[mlp], up[mlp]]),
             down=w.down[:, mlp].contiguous(),
         ))  # fmt: skip
