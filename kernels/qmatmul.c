@@ -109,7 +109,84 @@ static int64_t row_bytes(int type, int64_t cols) {
     return cols / bv * bb;
 }
 
-/* ---- dequantization (embedding rows, tests' second opinion, the portable dot) ---- */
+/* ---- the split layout of the 32-value types ----
+ *
+ * A PackedMatrix holds each row of a 32-value type with its blocks' fields gathered by
+ * kind: [d of every block (fp16)] [m of every block (Q4_1, Q5_1)] [qh of every block (Q5)]
+ * [codes of every block], the same bytes as ggml's [d m qh qs][d m qh qs]... rearranged
+ * within the row. The AVX2 dot then converts eight blocks' scales with one instruction and
+ * scales eight block sums at once. The K-quants keep ggml's layout (their scales already
+ * serve 256 values). */
+
+static int is_split(int type) { return type < T_Q4_K; }
+
+typedef struct {  /* where block i's fields start in a split row of nb blocks */
+    int64_t m, qh, qs;  /* byte offsets of the m, qh and codes arrays */
+    int has_m, has_qh, code_bytes;
+} split_fields;
+
+static split_fields fields_of(int type, int64_t nb) {
+    split_fields f;
+    f.has_m = type == T_Q4_1 || type == T_Q5_1;
+    f.has_qh = type == T_Q5_0 || type == T_Q5_1;
+    f.code_bytes = type == T_Q8_0 ? 32 : 16;
+    f.m = 2 * nb;
+    f.qh = f.m + 2 * nb * f.has_m;
+    f.qs = f.qh + 4 * nb * f.has_qh;
+    return f;
+}
+
+/* Block i of a split row, put back in ggml's layout into blk. */
+static void gather_block(int type, const uint8_t *row, int64_t nb, int64_t i, uint8_t *blk) {
+    split_fields f = fields_of(type, nb);
+    memcpy(blk, row + 2 * i, 2);
+    blk += 2;
+    if (f.has_m) {
+        memcpy(blk, row + f.m + 2 * i, 2);
+        blk += 2;
+    }
+    if (f.has_qh) {
+        memcpy(blk, row + f.qh + 4 * i, 4);
+        blk += 4;
+    }
+    memcpy(blk, row + f.qs + f.code_bytes * i, (size_t)f.code_bytes);
+}
+
+/* Block i in ggml's layout (blk) written into a split row. */
+static void scatter_block(int type, const uint8_t *blk, int64_t nb, int64_t i, uint8_t *row) {
+    split_fields f = fields_of(type, nb);
+    memcpy(row + 2 * i, blk, 2);
+    blk += 2;
+    if (f.has_m) {
+        memcpy(row + f.m + 2 * i, blk, 2);
+        blk += 2;
+    }
+    if (f.has_qh) {
+        memcpy(row + f.qh + 4 * i, blk, 4);
+        blk += 4;
+    }
+    memcpy(row + f.qs + f.code_bytes * i, blk, (size_t)f.code_bytes);
+}
+
+/* rows x cols of type from ggml's layout (to_split) into the kernels' layout, or back.
+ * The K-quants are copied as they are. Returns -1 for an unknown type or width. */
+int radixkv_repack(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst, int to_split) {
+    int64_t rb = row_bytes(type, cols);
+    if (rb < 0) return -1;
+    if (!is_split(type)) {
+        memcpy(dst, src, (size_t)(rows * rb));
+        return 0;
+    }
+    int64_t nb = cols / 32, bb = block_bytes(type);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < nb; i++) {
+            if (to_split) scatter_block(type, src + r * rb + i * bb, nb, i, dst + r * rb);
+            else gather_block(type, src + r * rb, nb, i, dst + r * rb + i * bb);
+        }
+    return 0;
+}
+
+/* ---- dequantization (embedding rows, the prefill path, tests' second opinion) ---- */
 
 static void dequant_block(int type, const uint8_t *b, float *y) {
     switch (type) {
@@ -176,13 +253,20 @@ static void dequant_block(int type, const uint8_t *b, float *y) {
     }
 }
 
+
+/* One row of the kernels' layout (split for the 32-value types) as floats. */
 static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
     int bv = block_values(type), bb = block_bytes(type);
-    for (int64_t i = 0; i < cols / bv; i++) dequant_block(type, w + i * bb, y + i * bv);
+    int64_t nb = cols / bv;
+    uint8_t blk[34];
+    for (int64_t i = 0; i < nb; i++) {
+        if (is_split(type)) gather_block(type, w, nb, i, blk);
+        dequant_block(type, is_split(type) ? blk : w + i * bb, y + i * bv);
+    }
 }
 
-/* out[i] = row ids[i] of W as floats (every row when ids is NULL). Returns -1 for an
- * unknown type or a row length the type's blocks do not divide. */
+/* out[i] = row ids[i] of W (the kernels' layout) as floats (every row when ids is NULL).
+ * Returns -1 for an unknown type or a row length the type's blocks do not divide. */
 int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out,
                          int threads) {
     int64_t rb = row_bytes(type, cols);
@@ -192,23 +276,52 @@ int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t
     return 0;
 }
 
-/* ---- activations ---- */
+/* ---- activations ----
+ *
+ * A token's rounded activations: codes q[32 i + j] and, per block i, its scale d[i] and
+ * s[i] = d[i] * sum(codes of block i). Arrays are padded with zero blocks to a multiple of 8
+ * (the split dot reads eight blocks' scales at a time). */
+typedef struct {
+    const int16_t *q;
+    const float *d, *s;
+} xrow;
 
-static void quantize_row(const float *x, int64_t nb, xblock *out) {
-    for (int64_t i = 0; i < nb; i++, x += 32) {
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < 32; j++) {
-            int q = (int)lrintf(x[j] * id);
-            q = q > 32767 ? 32767 : q < -32767 ? -32767 : q;
-            out[i].q[j] = (int16_t)q;
-            sum += q;
-        }
-        out[i].d = d;
-        out[i].s = d * (float)sum;
+static void quantize_block(const float *x, int16_t *q, float *d_out, float *s_out) {
+#ifdef USE_AVX2  /* the same arithmetic eight lanes at a time (cvtps rounds to nearest even, as lrintf) */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k] = _mm256_loadu_ps(x + 8 * k)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+    __m256i c[4], total = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        c[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
+        c[k] = _mm256_max_epi32(_mm256_min_epi32(c[k], hi), lo);
+        total = _mm256_add_epi32(total, c[k]);
     }
+    /* packs interleaves 128-bit lanes: permute them back to values 0..15, 16..31 */
+    _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    int sum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        int v = (int)lrintf(x[j] * id);
+        v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;
+        q[j] = (int16_t)v;
+        sum += v;
+    }
+#endif
+    *d_out = d;
+    *s_out = d * (float)sum;
 }
 
 /* out = x with each block of 32 replaced by its rounding d * q: what the kernel
@@ -217,10 +330,11 @@ void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *o
     int64_t nb = cols / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < n; b++) {
-        xblock blk;
+        int16_t q[32];
+        float d, s;
         for (int64_t i = 0; i < nb; i++) {
-            quantize_row(x + b * cols + i * 32, 1, &blk);
-            for (int j = 0; j < 32; j++) out[b * cols + i * 32 + j] = blk.d * (float)blk.q[j];
+            quantize_block(x + b * cols + i * 32, q, &d, &s);
+            for (int j = 0; j < 32; j++) out[b * cols + i * 32 + j] = d * (float)q[j];
         }
     }
 }
@@ -229,9 +343,8 @@ void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *o
  *
  * Codes go to 16-bit lanes (pmovzx), and madd multiplies them with the activations' 16-bit
  * codes, summing pairs into 32-bit lanes; a block's integer sum is exact, turned to float
- * once and scaled by d * dx. Up to NT_MAX tokens share each unpacked block. Blocks (or
- * K-quant groups) alternate between two accumulators, two dependency chains; a token's
- * sums take the same steps whatever nt, so its result does not depend on its neighbours. */
+ * once and scaled by d * dx. Up to NT_MAX tokens share each unpacked block. A token's sums
+ * take the same steps whatever nt, so its result does not depend on its neighbours. */
 #define NT_MAX 4
 
 #ifdef USE_AVX2
@@ -243,7 +356,7 @@ static inline float hsum(__m256 v) {
 }
 
 static inline __m256i bytes16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
-static inline __m256i xhalf(const xblock *x, int h) { return _mm256_loadu_si256((const __m256i *)(x->q + 16 * h)); }
+static inline __m256i xcodes(const int16_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
 
 /* 16-bit lane j = 0x10 where bit j of the 16 bits at p is set */
 static inline __m256i bit5(const uint8_t *p) {
@@ -254,72 +367,105 @@ static inline __m256i bit5(const uint8_t *p) {
     return _mm256_and_si256(hit, _mm256_set1_epi16(0x10));
 }
 
-/* sum over the block of w x, as 8 float lanes: w0, w1 the 16-bit codes of values 0..15, 16..31 */
-static inline __m256 block_sum(__m256i w0, __m256i w1, const xblock *x) {
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, xhalf(x, 0)), _mm256_madd_epi16(w1, xhalf(x, 1))));
+/* sum over a block of w x as 8 int32 lanes: w0, w1 the 16-bit codes of values 0..15, 16..31 */
+static inline __m256i block_isum(__m256i w0, __m256i w1, const int16_t *q) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, xcodes(q)), _mm256_madd_epi16(w1, xcodes(q + 16)));
+}
+
+static inline __m256 block_sum(__m256i w0, __m256i w1, const int16_t *q) {
+    return _mm256_cvtepi32_ps(block_isum(w0, w1, q));
+}
+
+/* The 16-bit codes of block i of a split row (values 0..15 in w[0], 16..31 in w[1]). */
+static inline __attribute__((always_inline)) void split_codes(int type, const uint8_t *qs, const uint8_t *qh,
+                                                              int64_t i, __m256i w[2]) {
+    if (type == T_Q8_0) {
+        w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * i)));
+        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * i + 16)));
+    } else {
+        __m256i v = bytes16(qs + 16 * i);  /* byte j: value j (low nibble), value j + 16 (high) */
+        w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+        w[1] = _mm256_srli_epi16(v, 4);
+        if (type == T_Q5_0 || type == T_Q5_1) {
+            w[0] = _mm256_or_si256(w[0], bit5(qh + 4 * i));
+            w[1] = _mm256_or_si256(w[1], bit5(qh + 4 * i + 2));
+        }
+    }
+}
+
+/* int32 sums of eight blocks (8 lanes each) -> one vector of the eight totals, in order */
+static inline __m256i reduce8(__m256i a01, __m256i a23, __m256i a45, __m256i a67) {
+    __m256i lo = _mm256_hadd_epi32(a01, a23), hi = _mm256_hadd_epi32(a45, a67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 #endif
 
-/* The 32-value types: codes u stand for d u + m (Q4_0: m = -8 d, Q5_0: m = -16 d; Q8_0's
- * codes are signed, m = 0), so sum_j (d u_j + m) dx q_j = d dx sum(u q) + m s. */
-static inline __attribute__((always_inline)) void dot_blocks(int type, const uint8_t *w, const xblock *const *xs,
-                                                             const int nt, int64_t nb, float *out) {
-    const int bb = block_bytes(type), offset = type == T_Q4_1 || type == T_Q5_1;
-    const int five = type == T_Q5_0 || type == T_Q5_1, q8 = type == T_Q8_0;
-    const float base = five ? -16.0f : -8.0f;
-    float corr[NT_MAX][2];
+/* The 32-value types, split rows: codes u stand for d u + m (Q4_0: m = -8 d, Q5_0: m = -16 d;
+ * Q8_0's codes are signed, m = 0), so sum_j (d u_j + m) dx q_j = d dx sum(u q) + m s. AVX2 takes
+ * eight blocks at a time: their integer sums reduced into one vector, scaled by the eight
+ * d dx at once, the offsets m s likewise. */
+static inline __attribute__((always_inline)) void dot_split(int type, const uint8_t *row, const xrow *xs,
+                                                            const int nt, int64_t nb, float *out) {
+    const split_fields f = fields_of(type, nb);
+    const float base = type == T_Q5_0 ? -16.0f : type == T_Q4_0 ? -8.0f : 0.0f;
 #ifdef USE_AVX2
-    __m256 acc[NT_MAX][2];
-    for (int t = 0; t < nt; t++) {
-        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-        corr[t][0] = corr[t][1] = 0.0f;
-    }
-    const __m256i f = _mm256_set1_epi16(0xF);
-    for (int64_t i = 0; i < nb; i++, w += bb) {
-        const int k = (int)(i & 1);
-        float d = half(w), m = q8 ? 0.0f : offset ? half(w + 2) : base * d;
-        const uint8_t *p = w + 2 + 2 * offset;
-        __m256i w0, w1;
-        if (q8) {
-            w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-            w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
-        } else {
-            __m256i v = bytes16(five ? p + 4 : p);  /* byte j: value j (low nibble), value j + 16 (high) */
-            w0 = _mm256_and_si256(v, f);
-            w1 = _mm256_srli_epi16(v, 4);
-            if (five) {
-                w0 = _mm256_or_si256(w0, bit5(p));
-                w1 = _mm256_or_si256(w1, bit5(p + 2));
+    const uint8_t *qs = row + f.qs, *qh = row + f.qh;
+    __m256 acc[NT_MAX], corr[NT_MAX];
+    for (int t = 0; t < nt; t++) acc[t] = corr[t] = _mm256_setzero_ps();
+    int64_t i0 = 0;
+    for (; i0 + 8 <= nb; i0 += 8) {
+        __m256i pair[NT_MAX][4];
+        for (int p = 0; p < 4; p++) {  /* blocks i0 + 2p, i0 + 2p + 1 */
+            __m256i a[2], b[2];
+            split_codes(type, qs, qh, i0 + 2 * p, a);
+            split_codes(type, qs, qh, i0 + 2 * p + 1, b);
+            for (int t = 0; t < nt; t++) {
+                const int16_t *q = xs[t].q + 32 * (i0 + 2 * p);
+                pair[t][p] = _mm256_hadd_epi32(block_isum(a[0], a[1], q), block_isum(b[0], b[1], q + 32));
             }
         }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i0)));
+        __m256 m = f.has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + f.m + 2 * i0)))
+                           : _mm256_mul_ps(d, _mm256_set1_ps(base));
         for (int t = 0; t < nt; t++) {
-            const xblock *x = xs[t] + i;
-            __m256 v = block_sum(w0, w1, x), sc = _mm256_set1_ps(d * x->d);
-            if (k) acc[t][1] = _mm256_fmadd_ps(sc, v, acc[t][1]);
-            else acc[t][0] = _mm256_fmadd_ps(sc, v, acc[t][0]);
-            corr[t][k] = fmaf(m, x->s, corr[t][k]);
+            __m256 sums = _mm256_cvtepi32_ps(reduce8(pair[t][0], pair[t][1], pair[t][2], pair[t][3]));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_loadu_ps(xs[t].d + i0)), sums, acc[t]);
+            if (type != T_Q8_0) corr[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[t].s + i0), corr[t]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + (corr[t][0] + corr[t][1]);
+    for (; i0 < nb; i0++) {  /* the last nb % 8 blocks one by one */
+        __m256i c[2];
+        split_codes(type, qs, qh, i0, c);
+        float d = half(row + 2 * i0), m = f.has_m ? half(row + f.m + 2 * i0) : base * d;
+        for (int t = 0; t < nt; t++) {
+            __m256 sums = block_sum(c[0], c[1], xs[t].q + 32 * i0);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[t].d[i0]), sums, acc[t]);
+            if (type != T_Q8_0) corr[t] = _mm256_add_ps(corr[t], _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, m * xs[t].s[i0]));
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum(_mm256_add_ps(acc[t], corr[t]));
 #else
-    float sum[NT_MAX][2];
+    float sum[NT_MAX][2], corr[NT_MAX][2];
     for (int t = 0; t < nt; t++) sum[t][0] = sum[t][1] = corr[t][0] = corr[t][1] = 0.0f;
-    for (int64_t i = 0; i < nb; i++, w += bb) {
+    const int q8 = type == T_Q8_0, five = f.has_qh;
+    uint8_t blk[34];
+    for (int64_t i = 0; i < nb; i++) {
         const int k = (int)(i & 1);
-        float d = half(w), m = q8 ? 0.0f : offset ? half(w + 2) : base * d;
-        const uint8_t *p = w + 2 + 2 * offset, *qs = five ? p + 4 : p;
-        uint32_t qh = five ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24 : 0;
+        gather_block(type, row, nb, i, blk);
+        float d = half(blk), m = q8 ? 0.0f : f.has_m ? half(blk + 2) : base * d;
+        const uint8_t *p = blk + 2 + 2 * f.has_m, *c = five ? p + 4 : p;
+        uint32_t bits = five ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24 : 0;
         int u[32];
         for (int j = 0; j < 16; j++) {
-            u[j] = q8 ? (int)(int8_t)p[j] : (int)((qs[j] & 0xF) | (((qh >> j) & 1) << 4));
-            u[j + 16] = q8 ? (int)(int8_t)p[j + 16] : (int)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+            u[j] = q8 ? (int)(int8_t)c[j] : (int)((c[j] & 0xF) | (((bits >> j) & 1) << 4));
+            u[j + 16] = q8 ? (int)(int8_t)c[j + 16] : (int)((c[j] >> 4) | (((bits >> (j + 16)) & 1) << 4));
         }
         for (int t = 0; t < nt; t++) {
-            const xblock *x = xs[t] + i;
+            const int16_t *q = xs[t].q + 32 * i;
             int isum = 0;
-            for (int j = 0; j < 32; j++) isum += u[j] * x->q[j];
-            sum[t][k] = fmaf(d * x->d, (float)isum, sum[t][k]);
-            corr[t][k] = fmaf(m, x->s, corr[t][k]);
+            for (int j = 0; j < 32; j++) isum += u[j] * q[j];
+            sum[t][k] = fmaf(d * xs[t].d[i], (float)isum, sum[t][k]);
+            corr[t][k] = fmaf(m, xs[t].s[i], corr[t][k]);
         }
     }
     for (int t = 0; t < nt; t++) out[t] = (sum[t][0] + sum[t][1]) + (corr[t][0] + corr[t][1]);
@@ -328,7 +474,7 @@ static inline __attribute__((always_inline)) void dot_blocks(int type, const uin
 
 /* Q4_K, Q5_K: per group of 32, sum_j (d sc u_j - dmin mn) dx q_j = d sc dx sum(u q) - dmin mn s;
  * qs[32 g .. +32] holds group 2 g (low nibbles) and 2 g + 1 (high), qh bit 2 g / 2 g + 1 the fifth bit. */
-static inline __attribute__((always_inline)) void dot_q45_k(int type, const uint8_t *w, const xblock *const *xs,
+static inline __attribute__((always_inline)) void dot_q45_k(int type, const uint8_t *w, const xrow *xs,
                                                             const int nt, int64_t nb, float *out) {
     const int bb = block_bytes(type), five = type == T_Q5_K;
     float corr[NT_MAX];
@@ -364,14 +510,18 @@ static inline __attribute__((always_inline)) void dot_q45_k(int type, const uint
                 hi1 = _mm256_or_si256(hi1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h1, c1), one), 4));
             }
             for (int t = 0; t < nt; t++) {
-                const xblock *x0 = xs[t] + 8 * i + 2 * g, *x1 = x0 + 1;
-                acc[t][0] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc0 * x0->d), block_sum(lo0, lo1, x0), acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 * x1->d), block_sum(hi0, hi1, x1), acc[t][1]);
-                corr[t] = fmaf(-dmin, fmaf((float)mn0, x0->s, (float)mn1 * x1->s), corr[t]);
+                const int64_t b = 8 * i + 2 * g;
+                const int16_t *q0 = xs[t].q + 32 * b, *q1 = q0 + 32;
+                const float dx0 = xs[t].d[b], dx1 = xs[t].d[b + 1], sx0 = xs[t].s[b], sx1 = xs[t].s[b + 1];
+                acc[t][0] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc0 * dx0), block_sum(lo0, lo1, q0), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc1 * dx1), block_sum(hi0, hi1, q1), acc[t][1]);
+                corr[t] = fmaf(-dmin, fmaf((float)mn0, sx0, (float)mn1 * sx1), corr[t]);
             }
 #else
             for (int t = 0; t < nt; t++) {
-                const xblock *x0 = xs[t] + 8 * i + 2 * g, *x1 = x0 + 1;
+                const int64_t b = 8 * i + 2 * g;
+                const int16_t *q0 = xs[t].q + 32 * b, *q1 = q0 + 32;
+                const float dx0 = xs[t].d[b], dx1 = xs[t].d[b + 1], sx0 = xs[t].s[b], sx1 = xs[t].s[b + 1];
                 int s0 = 0, s1 = 0;
                 for (int l = 0; l < 32; l++) {
                     int lo = q[l] & 0xF, hi = q[l] >> 4;
@@ -379,12 +529,12 @@ static inline __attribute__((always_inline)) void dot_q45_k(int type, const uint
                         lo |= ((qh[l] >> (2 * g)) & 1) << 4;
                         hi |= ((qh[l] >> (2 * g + 1)) & 1) << 4;
                     }
-                    s0 += lo * x0->q[l];
-                    s1 += hi * x1->q[l];
+                    s0 += lo * q0[l];
+                    s1 += hi * q1[l];
                 }
-                sum[t][0] = fmaf(d * sc0 * x0->d, (float)s0, sum[t][0]);
-                sum[t][1] = fmaf(d * sc1 * x1->d, (float)s1, sum[t][1]);
-                corr[t] = fmaf(-dmin, fmaf((float)mn0, x0->s, (float)mn1 * x1->s), corr[t]);
+                sum[t][0] = fmaf(d * sc0 * dx0, (float)s0, sum[t][0]);
+                sum[t][1] = fmaf(d * sc1 * dx1, (float)s1, sum[t][1]);
+                corr[t] = fmaf(-dmin, fmaf((float)mn0, sx0, (float)mn1 * sx1), corr[t]);
             }
 #endif
         }
@@ -399,7 +549,7 @@ static inline __attribute__((always_inline)) void dot_q45_k(int type, const uint
 
 /* Q6_K: group c of 32 values (of 4 per half n) uses scales sc[8 n + 2 c] for its first 16 and
  * sc[8 n + 2 c + 1] for the last 16; values d sc (u - 32), u = 4 bits of ql | 2 bits of qh << 4. */
-static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, const xblock *const *xs, const int nt,
+static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, const xrow *xs, const int nt,
                                                            int64_t nb, float *out) {
 #ifdef USE_AVX2
     __m256 acc[NT_MAX][2];
@@ -430,23 +580,27 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
                 u0 = _mm256_sub_epi16(u0, off);
                 u1 = _mm256_sub_epi16(u1, off);
                 for (int t = 0; t < nt; t++) {
-                    const xblock *x = xs[t] + 8 * i + 4 * n + c;
-                    __m256 s0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(u0, xhalf(x, 0)));
-                    __m256 s1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(u1, xhalf(x, 1)));
-                    acc[t][0] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * c] * x->d), s0, acc[t][0]);
-                    acc[t][1] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * c + 1] * x->d), s1, acc[t][1]);
+                    const int64_t b = 8 * i + 4 * n + c;
+                    const int16_t *q = xs[t].q + 32 * b;
+                    const float dx = xs[t].d[b];
+                    __m256 s0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(u0, xcodes(q)));
+                    __m256 s1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(u1, xcodes(q + 16)));
+                    acc[t][0] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * c] * dx), s0, acc[t][0]);
+                    acc[t][1] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc[2 * c + 1] * dx), s1, acc[t][1]);
                 }
 #else
                 for (int t = 0; t < nt; t++) {
-                    const xblock *x = xs[t] + 8 * i + 4 * n + c;
+                    const int64_t b = 8 * i + 4 * n + c;
+                    const int16_t *q = xs[t].q + 32 * b;
+                    const float dx = xs[t].d[b];
                     int s[2] = {0, 0};
                     for (int l = 0; l < 32; l++) {
                         int lq = c & 1 ? ql[l + 32] : ql[l];
                         int u = (c < 2 ? lq & 0xF : lq >> 4) | (((qh[l] >> (2 * c)) & 3) << 4);
-                        s[l / 16] += (u - 32) * x->q[l];
+                        s[l / 16] += (u - 32) * q[l];
                     }
-                    sum[t][0] = fmaf(d * sc[2 * c] * x->d, (float)s[0], sum[t][0]);
-                    sum[t][1] = fmaf(d * sc[2 * c + 1] * x->d, (float)s[1], sum[t][1]);
+                    sum[t][0] = fmaf(d * sc[2 * c] * dx, (float)s[0], sum[t][0]);
+                    sum[t][1] = fmaf(d * sc[2 * c + 1] * dx, (float)s[1], sum[t][1]);
                 }
 #endif
             }
@@ -464,12 +618,17 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
  * constant per call, so the token loops unroll and the accumulators stay in registers. */
 #define DOT_NT(N)                                                                                       \
     switch (type) {                                                                                     \
-    case T_Q4_K: case T_Q5_K: dot_q45_k(type, w, xs, N, nb, out); break;                                \
-    case T_Q6_K: dot_q6_k(w, xs, N, nb, out); break;                                                    \
-    default: dot_blocks(type, w, xs, N, nb, out);                                                       \
+    case T_Q4_0: dot_split(T_Q4_0, w, xs, N, nb, out); break;                                           \
+    case T_Q4_1: dot_split(T_Q4_1, w, xs, N, nb, out); break;                                           \
+    case T_Q5_0: dot_split(T_Q5_0, w, xs, N, nb, out); break;                                           \
+    case T_Q5_1: dot_split(T_Q5_1, w, xs, N, nb, out); break;                                           \
+    case T_Q8_0: dot_split(T_Q8_0, w, xs, N, nb, out); break;                                           \
+    case T_Q4_K: dot_q45_k(T_Q4_K, w, xs, N, nb, out); break;                                           \
+    case T_Q5_K: dot_q45_k(T_Q5_K, w, xs, N, nb, out); break;                                           \
+    default: dot_q6_k(w, xs, N, nb, out);                                                               \
     }
 
-static void dot_row(int type, const uint8_t *w, const xblock *const *xs, int nt, int64_t nb, float *out) {
+static void dot_row(int type, const uint8_t *w, const xrow *xs, int nt, int64_t nb, float *out) {
     switch (nt) {
     case 1: DOT_NT(1); break;
     case 2: DOT_NT(2); break;
@@ -478,49 +637,85 @@ static void dot_row(int type, const uint8_t *w, const xblock *const *xs, int nt,
     }
 }
 
+
 /* ---- the product ---- */
 
 #define ROW_CHUNK 16   /* rows one task computes (their packed bytes stay in L1/L2) */
-#define TOKEN_TILE 64  /* tokens whose quantized activations stay in L2 while a chunk runs */
+#define TOKEN_TILE 64  /* tokens whose rounded activations stay in L2 while a chunk runs */
+
+typedef struct {  /* a matrix in the kernels' layout, as weights.py describes it */
+    int type;
+    int64_t rows, cols;
+    const uint8_t *w;
+} qmat;
+
+typedef struct {  /* room for n tokens' rounded activations of up to `blocks` blocks each */
+    int16_t *q;
+    float *d, *s;
+} xbuf;
+
+static int xbuf_alloc(xbuf *b, int64_t n, int64_t blocks) {
+    b->q = malloc(sizeof(int16_t) * 32 * (size_t)(n * blocks));
+    b->d = malloc(sizeof(float) * 2 * (size_t)(n * blocks));
+    b->s = b->d ? b->d + n * blocks : NULL;
+    if (b->q && b->d) return 0;
+    free(b->q);
+    free(b->d);
+    return -2;
+}
+
+static void xbuf_free(xbuf *b) {
+    free(b->q);
+    free(b->d);
+}
+
+/* y[n, rows] = x[n, cols] . W^T, called by every thread of a parallel region (its loops
+ * are shared out among them; each ends with the region's barrier). */
+static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
+    const int64_t nb = m->cols / 32, rb = row_bytes(m->type, m->cols), rows = m->rows;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t i = 0; i < nb; i++)
+            quantize_block(x + b * m->cols + 32 * i, xb->q + (b * nb + i) * 32, xb->d + b * nb + i, xb->s + b * nb + i);
+    int64_t chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < rows ? r0 + ROW_CHUNK : rows;
+        for (int64_t t0 = 0; t0 < n; t0 += TOKEN_TILE) {
+            int64_t t1 = t0 + TOKEN_TILE < n ? t0 + TOKEN_TILE : n;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t b = t0; b < t1; b += NT_MAX) {
+                    int nt = t1 - b < NT_MAX ? (int)(t1 - b) : NT_MAX;
+                    xrow xr[NT_MAX];
+                    float out[NT_MAX];
+                    for (int t = 0; t < nt; t++) xr[t] = (xrow){xb->q + (b + t) * nb * 32, xb->d + (b + t) * nb, xb->s + (b + t) * nb};
+                    dot_row(m->type, m->w + r * rb, xr, nt, nb, out);
+                    for (int t = 0; t < nt; t++) y[(b + t) * rows + r] = out[t];
+                }
+        }
+    }
+}
 
 static int last_threads;
 
 /* The threads the last product ran on (what tests check the thread count against). */
 int radixkv_qmatmul_last_threads(void) { return last_threads; }
 
-/* y[n, rows] = x[n, cols] . W^T. Returns 0; -1 for an unknown type or a row length its
- * blocks do not divide; -2 when the activation buffer cannot be allocated. */
+/* y[n, rows] = x[n, cols] . W^T, W in the kernels' layout (radixkv_repack). Returns 0; -1
+ * for an unknown type or a row length its blocks do not divide; -2 when the activation
+ * buffer cannot be allocated. */
 int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                     int threads) {
-    int64_t rb = row_bytes(type, cols);
-    if (rb < 0) return -1;
-    int64_t nb = cols / 32;
-    xblock *xq = malloc(sizeof(xblock) * (size_t)(nb * n));
-    if (!xq) return -2;
+    if (row_bytes(type, cols) < 0) return -1;
+    qmat m = {type, rows, cols, w};
+    xbuf xb;
+    if (xbuf_alloc(&xb, n, cols / 32)) return -2;
 #pragma omp parallel num_threads(threads)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < n; b++) quantize_row(x + b * cols, nb, xq + b * nb);
-        int64_t chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK;
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < rows ? r0 + ROW_CHUNK : rows;
-            for (int64_t t0 = 0; t0 < n; t0 += TOKEN_TILE) {
-                int64_t t1 = t0 + TOKEN_TILE < n ? t0 + TOKEN_TILE : n;
-                for (int64_t r = r0; r < r1; r++)
-                    for (int64_t b = t0; b < t1; b += NT_MAX) {
-                        int nt = t1 - b < NT_MAX ? (int)(t1 - b) : NT_MAX;
-                        const xblock *xs[NT_MAX];
-                        float out[NT_MAX];
-                        for (int t = 0; t < nt; t++) xs[t] = xq + (b + t) * nb;
-                        dot_row(type, w + r * rb, xs, nt, nb, out);
-                        for (int t = 0; t < nt; t++) y[(b + t) * rows + r] = out[t];
-                    }
-            }
-        }
+        product(&m, x, n, y, &xb);
     }
-    free(xq);
+    xbuf_free(&xb);
     return 0;
 }
 
@@ -528,47 +723,111 @@ int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, cons
  *
  * A decode step of a small model spends as long in its elementwise steps (norms, rotary
  * embedding, SwiGLU, residual adds) as in its products when each is a few torch calls;
- * these do each in one call. Row-parallel; every row's arithmetic is the same whatever n. */
+ * these do each in one call, and radixkv_native_layer does a layer's whole stretch between
+ * two attentions in one. Each row's arithmetic is one (noinline) function, the same code
+ * whichever call runs it and whatever n. */
+
+/* With add: x += add first (the residual). Then out = w * x / sqrt(mean(x^2) + eps). */
+static __attribute__((noinline)) void add_rms_norm_row(float *xr, const float *add, const float *w, float eps,
+                                                       int64_t d, float *o) {
+    if (add)
+        for (int64_t j = 0; j < d; j++) xr[j] += add[j];
+    double ss = 0.0;
+    for (int64_t j = 0; j < d; j++) ss += (double)xr[j] * xr[j];
+    float inv = 1.0f / sqrtf((float)(ss / (double)d) + eps);
+    for (int64_t j = 0; j < d; j++) o[j] = w[j] * (xr[j] * inv);
+}
+
+static __attribute__((noinline)) void silu_mul_row(const float *g, int64_t inter, float *o) {
+    const float *u = g + inter;
+    for (int64_t j = 0; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+static __attribute__((noinline)) void rope_row(float *x, int64_t heads, int64_t d, const float *c, const float *s) {
+    int64_t half_d = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *x1 = x + h * d, *x2 = x1 + half_d;
+        for (int64_t j = 0; j < half_d; j++) {
+            float a = x1[j], b = x2[j];
+            x1[j] = a * c[j] - b * s[j];
+            x2[j] = b * c[j + half_d] + a * s[j + half_d];
+        }
+    }
+}
 
 /* With add: x += add first (the residual). Then out = w * x / sqrt(mean(x^2) + eps), per row. */
 void radixkv_add_rms_norm(float *x, const float *add, const float *w, float eps, int64_t n, int64_t d, float *out,
                           int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
-    for (int64_t r = 0; r < n; r++) {
-        float *xr = x + r * d, *o = out + r * d;
-        if (add)
-            for (int64_t j = 0; j < d; j++) xr[j] += add[r * d + j];
-        double ss = 0.0;
-        for (int64_t j = 0; j < d; j++) ss += (double)xr[j] * xr[j];
-        float inv = 1.0f / sqrtf((float)(ss / (double)d) + eps);
-        for (int64_t j = 0; j < d; j++) o[j] = w[j] * (xr[j] * inv);
-    }
+    for (int64_t r = 0; r < n; r++) add_rms_norm_row(x + r * d, add ? add + r * d : NULL, w, eps, d, out + r * d);
 }
 
 /* out[n, inter] = silu(gate) * up, gate_up [n, 2 * inter] (gate first). */
 void radixkv_silu_mul(const float *gu, int64_t n, int64_t inter, float *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
-    for (int64_t r = 0; r < n; r++) {
-        const float *g = gu + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-        for (int64_t j = 0; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    }
+    for (int64_t r = 0; r < n; r++) silu_mul_row(gu + r * 2 * inter, inter, out + r * inter);
 }
 
 /* Rotary embedding in place on the first `heads` heads of each row (q and k, half-split
  * layout): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; cos/sin [n, d] (token r's row). */
 void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t d, const float *cos,
                   const float *sin) {
-    int64_t half_d = d / 2;
-    for (int64_t r = 0; r < n; r++) {
-        const float *c = cos + r * d, *s = sin + r * d;
-        for (int64_t h = 0; h < heads; h++) {
-            float *x1 = x + r * row_stride + h * d, *x2 = x1 + half_d;
-            for (int64_t j = 0; j < half_d; j++) {
-                float a = x1[j], b = x2[j];
-                x1[j] = a * c[j] - b * s[j];
-                x2[j] = b * c[j + half_d] + a * s[j + half_d];
+    for (int64_t r = 0; r < n; r++) rope_row(x + r * row_stride, heads, d, cos + r * d, sin + r * d);
+}
+
+/* A native layer's stretch between two attentions, for n tokens, in one parallel region:
+ * with attn (layer i's attention output [n, o->cols]): x += o(attn); h = norm(x) * mlp_norm;
+ * x += down(silu(gate) * up of gate_up(h)); then with next_norm (layer i + 1's attention
+ * norm): h = norm(x) * next_norm and qkv_out = qkv(h) (+ qkv_bias), RoPE on its first
+ * rope_heads heads. Without attn (before layer 0) only the second part. The same steps as
+ * the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul, radixkv_rope,
+ * a residual add), so the same bits. Returns 0, or -2 when scratch cannot be allocated. */
+int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const float *attn, const qmat *o,
+                         const float *mlp_norm, const qmat *gate_up, const qmat *down, const float *next_norm,
+                         const qmat *qkv, const float *qkv_bias, int64_t rope_heads, int64_t head_dim,
+                         const float *cos, const float *sin, float *qkv_out, int threads) {
+    int64_t inter = gate_up ? gate_up->rows / 2 : 0, widest = hidden;
+    if (attn && o->cols > widest) widest = o->cols;
+    if (inter > widest) widest = inter;
+    float *h = malloc(sizeof(float) * (size_t)(n * (2 * hidden + 3 * inter)));
+    float *tmp = h ? h + n * hidden : NULL, *gu = h ? tmp + n * hidden : NULL, *a = h ? gu + 2 * n * inter : NULL;
+    xbuf xb;
+    if (!h || xbuf_alloc(&xb, n, widest / 32)) {
+        free(h);
+        return -2;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        if (attn) {
+            product(o, attn, n, tmp, &xb);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) add_rms_norm_row(x + r * hidden, tmp + r * hidden, mlp_norm, eps, hidden, h + r * hidden);
+            product(gate_up, h, n, gu, &xb);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) silu_mul_row(gu + r * 2 * inter, inter, a + r * inter);
+            product(down, a, n, tmp, &xb);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                if (next_norm) add_rms_norm_row(x + r * hidden, tmp + r * hidden, next_norm, eps, hidden, h + r * hidden);
+                else
+                    for (int64_t j = 0; j < hidden; j++) x[r * hidden + j] += tmp[r * hidden + j];
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) add_rms_norm_row(x + r * hidden, NULL, next_norm, eps, hidden, h + r * hidden);
+        }
+        if (next_norm) {
+            product(qkv, h, n, qkv_out, &xb);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                float *row = qkv_out + r * qkv->rows;
+                if (qkv_bias)
+                    for (int64_t j = 0; j < qkv->rows; j++) row[j] += qkv_bias[j];
+                rope_row(row, rope_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
             }
         }
     }
+    free(h);
+    xbuf_free(&xb);
+    return 0;
 }

@@ -1,7 +1,9 @@
 """Quantized weights as GGUF stores them, multiplied in place (``qmatmul.c``).
 
 A ``PackedMatrix`` holds one weight matrix ``[rows, cols]`` as the GGUF file's blocks
-(a ``uint8`` tensor ``[rows, row_bytes]``, the bytes unchanged) and its ggml type.
+(a ``uint8`` tensor ``[rows, row_bytes]``, every byte kept; for the 32-value types each
+row's block scales are gathered ahead of its codes, ``blocks()`` gives GGUF's order
+back) and its ggml type.
 ``linear(x)`` computes ``x @ W.T`` without expanding ``W``: the kernel rounds each
 token's activations to 16-bit integers per block of 32 (one float scale each) and takes
 the block dot products on integers, scaled once per block. The result is the exact
@@ -44,6 +46,12 @@ TYPES = {
 DENSE_FROM = 32  # tokens from which linear() takes the dequantize-and-BLAS path
 SCRATCH_FLOATS = 4 << 20  # at most this many weights dequantized at a time (16 MiB)
 
+class QMat(ctypes.Structure):
+    """A matrix as the C code describes it (``qmat`` in ``qmatmul.c``)."""
+
+    _fields_ = [("type", ctypes.c_int), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("w", ctypes.c_void_p)]
+
+
 _lock = threading.Lock()
 _libraries: dict[bool, ctypes.CDLL] = {}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -67,12 +75,18 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_round_activations.argtypes = [_ptr, _i64, _i64, _ptr, _int]
             lib.radixkv_round_activations.restype = None
             lib.radixkv_qmatmul_last_threads.restype = _int
+            lib.radixkv_repack.argtypes = [_int, _ptr, _i64, _i64, _ptr, _int]
+            lib.radixkv_repack.restype = _int
             lib.radixkv_add_rms_norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _int]
             lib.radixkv_add_rms_norm.restype = None
             lib.radixkv_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _int]
             lib.radixkv_silu_mul.restype = None
             lib.radixkv_rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
             lib.radixkv_rope.restype = None
+            q, f = ctypes.POINTER(QMat), ctypes.c_float
+            lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _i64, _i64,
+                                                 _ptr, _ptr, _ptr, _int]  # fmt: skip
+            lib.radixkv_native_layer.restype = _int
             _libraries[portable] = lib
         return _libraries[portable]
 
@@ -105,10 +119,22 @@ class PackedMatrix:
             raise ValueError("packed weights live on the CPU")
         self.type_id = type_id
         self.portable = portable
-        self.data = data.contiguous()
         self.cols = cols
         self.shape = (data.shape[0], cols)
         self._lib = load_library(portable)
+        self.data = self._repack(data.contiguous(), to_split=True)
+        self.described = QMat(type_id, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
+
+    def _repack(self, data: torch.Tensor, to_split: bool) -> torch.Tensor:
+        out = torch.empty_like(data)
+        self._lib.radixkv_repack(self.type_id, data.data_ptr(), data.shape[0], self.cols, out.data_ptr(), int(to_split))
+        return out
+
+    def blocks(self) -> torch.Tensor:
+        """The matrix in GGUF's layout, ``uint8 [rows, row_bytes]``: ``data`` holds the same
+        bytes with each row's block scales gathered ahead of its codes (the 32-value types;
+        the kernels read eight blocks' scales at once), the K-quants as GGUF has them."""
+        return self._repack(self.data, to_split=False)
 
     @property
     def type_name(self) -> str:
@@ -124,7 +150,7 @@ class PackedMatrix:
         first = parts[0]
         if any(p.type_id != first.type_id or p.cols != first.cols for p in parts):
             return None
-        return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable)
+        return PackedMatrix(first.type_id, torch.cat([p.blocks() for p in parts]), first.cols, first.portable)
 
     def linear(self, x: torch.Tensor, threads: int | None = None, dense: bool | None = None) -> torch.Tensor:
         """``x @ W.T`` for float32 ``x [..., cols]``: float32 ``[..., rows]``.
@@ -208,3 +234,29 @@ class Steps:
         (``[n, >= heads * head_dim]``, half-split layout); ``cos``/``sin`` ``[n, head_dim]``."""
         cos, sin = cos.contiguous(), sin.contiguous()
         self._lib.radixkv_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
+
+    def native_layer(self, x: torch.Tensor, attn: torch.Tensor | None, layer, next_layer, eps: float,
+                     rope_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """A native layer's stretch between two attentions in one call (``x``, the residual
+        ``[n, hidden]``, updated in place): with ``attn`` (``layer``'s attention output),
+        its output projection, residual, MLP norm, MLP and residual; then, with
+        ``next_layer``, that layer's attention norm, q/k/v projection (and bias) and RoPE on
+        the first ``rope_heads`` heads, returned ``[n, qkv rows]``. The same arithmetic,
+        bit for bit, as ``PackedMatrix.linear`` and the steps above one by one. ``layer``,
+        ``next_layer``: ``LayerWeights`` whose matrices are ``PackedMatrix``."""
+        n, hidden = x.shape
+        qkv = None if next_layer is None else torch.empty(n, next_layer.qkv.shape[0], dtype=torch.float32)
+        ptr = ctypes.byref
+        status = self._lib.radixkv_native_layer(
+            x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(),
+            None if layer is None else ptr(layer.o.described), None if layer is None else layer.mlp_norm.data_ptr(),
+            None if layer is None else ptr(layer.gate_up.described), None if layer is None else ptr(layer.down.described),
+            None if next_layer is None else next_layer.attn_norm.data_ptr(),
+            None if next_layer is None else ptr(next_layer.qkv.described),
+            None if next_layer is None or next_layer.qkv_bias is None else next_layer.qkv_bias.data_ptr(),
+            rope_heads, head_dim, cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the native layer could not allocate its scratch buffers")
+        return qkv
