@@ -1,6 +1,7 @@
 """Tiny random HF-format checkpoints, written by transformers, loaded by radixkv."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)  # fmt: skip
+
+PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # Phi3Config's defaults lie past TINY's vocab
 
 VARIANTS = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
@@ -33,6 +36,13 @@ VARIANTS = {
     "qwen3-window-on-layer-1": (  # layer_types: only the layers from max_window_layers on slide
         transformers.Qwen3Config, dict(head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=1),
     ),
+    "phi3-fused": (transformers.Phi3Config, dict(PHI3_IDS)),  # qkv_proj and gate_up_proj
+    "phi3-partial-longrope-window": (
+        transformers.Phi3Config,
+        dict(PHI3_IDS, sliding_window=6, max_position_embeddings=256, original_max_position_embeddings=64,
+             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                              "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 4.0, 9.0, 20.0]}),
+    ),  # fmt: skip
 }
 
 
@@ -110,7 +120,7 @@ def test_bad_dtype_names_the_choices():
         load_model(dtype="float64")
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what write_gguf lays out as llama.cpp does
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # what write_gguf lays out as llama.cpp does
 
 
 def write_gguf(path, hf_model, architecture="llama", matrices=None):
@@ -135,6 +145,16 @@ def write_gguf(path, hf_model, architecture="llama", matrices=None):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
+    if architecture == "phi3":  # as llama.cpp's Phi3MiniModel converter writes it
+        rope = cfg.rope_parameters
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        w.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
+            for kind in ("long", "short"):
+                w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
 
     def permute(t, heads):  # HF halves -> llama.cpp interleaved pairs
         rows = t.shape[0]
@@ -192,7 +212,10 @@ def prompts(vocab=97):
             (rng.integers(0, vocab, 9).tolist(), rng.integers(0, vocab, 1).tolist())]  # fmt: skip
 
 
-@pytest.mark.parametrize("variant, architecture", [("qwen3-qk-norm", "qwen3")])
+GGUF_VARIANTS = [("qwen3-qk-norm", "qwen3"), ("phi3-partial-longrope-window", "phi3")]
+
+
+@pytest.mark.parametrize("variant, architecture", GGUF_VARIANTS)
 def test_gguf_of_a_tiny_checkpoint_matches_transformers(tmp_path, variant, architecture):
     """The GGUF llama.cpp's converter would write, loaded by radixkv, against transformers
     running the checkpoint it came from."""
@@ -207,7 +230,7 @@ def test_gguf_of_a_tiny_checkpoint_matches_transformers(tmp_path, variant, archi
         assert (mine - theirs).abs().max() < 1e-4, variant
 
 
-@pytest.mark.parametrize("variant, architecture", [("qwen3-qk-norm", "qwen3")])
+@pytest.mark.parametrize("variant, architecture", GGUF_VARIANTS)
 def test_native_weights_of_a_quantized_gguf_follow_its_fp32_expansion(tmp_path, variant, architecture):
     """The native path (packed Q8_0 matrices, the steps between them) against the exact
     fp32 path on the same file: the same architecture-specific steps, so the logits agree
@@ -228,4 +251,35 @@ def test_bad_layer_types_name_the_field(tmp_path):
            "layer_types": ["full_attention", "local"]}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="layer_types must give each of the 2 layers one of"):
+        load_model(tmp_path)
+
+
+def test_longrope_takes_the_long_factors_from_the_original_length_on(tmp_path):
+    """Past ``original_max_position_embeddings`` HF recomputes every position with the
+    long factors; a cache cannot rotate its keys again, so radixkv switches per position:
+    from the original length on its cos/sin equal HF's long ones, below it HF's short ones."""
+    hf = write_checkpoint(tmp_path, "phi3-partial-longrope-window")
+    ours = load_model(tmp_path)
+    x = torch.zeros(1, dtype=torch.float32)
+    positions = torch.arange(80)
+    cos, sin = ours._rope(positions)
+    with torch.no_grad():
+        long_cos, long_sin = hf.model.rotary_emb(x, positions[None])  # 80 > 64: the long factors
+        short_cos, short_sin = hf.model.rotary_emb(x, positions[None, :64])
+    assert torch.allclose(cos[64:, 0], long_cos[0, 64:], atol=1e-6) and torch.allclose(sin[64:, 0], long_sin[0, 64:], atol=1e-6)
+    assert torch.allclose(cos[:64, 0], short_cos[0], atol=1e-6) and torch.allclose(sin[:64, 0], short_sin[0], atol=1e-6)
+    assert not torch.allclose(cos[:64, 0], long_cos[0, :64], atol=1e-3)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [1.0] * 3}},
+     "longrope: long_factor must hold 8 numbers"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}}, "longrope needs short_factor and long_factor"),
+    ({"partial_rotary_factor": 0.1}, "rotary dims per head .* must be even"),
+    ({"hidden_act": "relu"}, "unsupported hidden_act 'relu'"),
+])  # fmt: skip
+def test_bad_phi3_rope_and_activation_name_the_field(tmp_path, change, match):
+    cfg = {"model_type": "phi3", **TINY, **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match):
         load_model(tmp_path)

@@ -1,9 +1,10 @@
-"""Llama-family decoder over a paged KV pool (Llama, Mistral, Qwen2, Qwen3, SmolLM).
+"""Llama-family decoder over a paged KV pool (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM).
 
 RMSNorm, RoPE (half-split layout, as HF stores q/k), GQA/MQA attention through a
 backend from ``radixkv.kernels``, SwiGLU MLP, tied or untied output head; per
-architecture (``ModelConfig``) q/k/v biases, per-head q/k norms and sliding windows on
-all or some layers. One
+architecture (``ModelConfig``) q/k/v biases, per-head q/k norms, sliding windows on
+all or some layers, RoPE on the leading part of each head, longrope, and q/k/v (gate/up)
+stored fused. One
 ``forward`` computes a whole ragged batch (``ForwardBatch``): every sequence's new
 tokens, attending to the KV already in the pool; per layer the pool stores the new
 tokens' K/V at ``out_slots`` (in its KV format) and the backend reads the layer's view.
@@ -124,7 +125,13 @@ class LlamaModel:
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaModel:
-        """Build from HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...)."""
+        """Build from HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...);
+        Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are taken as they are (their rows
+        are already q, k, v and gate, up)."""
+
+        def fused(name: str, parts: list[str]) -> Matrix:
+            return sd[name] if name in sd else stack_rows([sd[n] for n in parts])
+
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -137,11 +144,11 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     attn_norm=sd[p + "input_layernorm.weight"],
-                    qkv=stack_rows([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                    qkv=fused(p + "self_attn.qkv_proj.weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                     qkv_bias=qkv_bias,
                     o=sd[p + "self_attn.o_proj.weight"],
                     mlp_norm=sd[p + "post_attention_layernorm.weight"],
-                    gate_up=stack_rows([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
+                    gate_up=fused(p + "mlp.gate_up_proj.weight", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]),
                     down=sd[p + "mlp.down_proj.weight"],
                     **qk_norms,
                 )
@@ -218,8 +225,8 @@ class LlamaModel:
         (``radixkv.kernels.weights.Steps``), the residual stream ``x`` updated in place.
         The same arithmetic as the dense loop, float32."""
         cfg, steps, eps = self.config, self._steps, self.config.rms_norm_eps
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = cos.reshape(-1, d), sin.reshape(-1, d)
+        hq, hkv, d, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dims
+        cos, sin = cos.reshape(-1, rot), sin.reshape(-1, rot)
         x = x.contiguous()
         h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
         for i, w in enumerate(self.layers):
@@ -228,7 +235,11 @@ class LlamaModel:
                 qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
                 qk[:, :hq] = _rms_norm(qk[:, :hq], w.q_norm, eps)
                 qk[:, hq:] = _rms_norm(qk[:, hq:], w.k_norm, eps)
-            steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place
+            if rot == d:
+                steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place
+            else:  # partial rotary (Phi-3): the leading dims of each head
+                qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
+                qk[..., :rot] = _apply_rope(qk[..., :rot], cos[:, None], sin[:, None])
             q = qkv[:, : hq * d].view(-1, hq, d)
             k = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
@@ -260,19 +271,29 @@ class LlamaModel:
             k = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.sliding_window).reshape(-1, hq * d).contiguous()
+            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.window(i)).reshape(-1, hq * d).contiguous()
             qkv = steps.native_layer(x, o, w, layers[i + 1] if i + 1 < len(layers) else None, *args)
         return x
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for ``positions``: [T, 1, D] each, in the model dtype."""
+        """cos/sin rows for ``positions``: [T, 1, R] each (R: the rotary dims), in the
+        model dtype. longrope: a position below the original length takes the short
+        factors, from it on the long ones; cos and sin scaled by its attention factor."""
         needed = int(positions.max()) + 1
         if self._rope_cache is None or self._rope_cache[0].shape[0] < needed:
-            length = max(needed, min(self.config.max_position_embeddings, 8192))
-            inv = self.config.inv_freq().to(self.device)
-            freqs = torch.arange(length, device=self.device, dtype=torch.float32)[:, None] * inv[None, :]
+            cfg = self.config
+            length = max(needed, min(cfg.max_position_embeddings, 8192))
+            pos = torch.arange(length, device=self.device, dtype=torch.float32)[:, None]
+            freqs = pos * cfg.inv_freq().to(self.device)[None, :]
+            s = cfg.rope_scaling
+            if s.kind == "longrope":
+                long = pos * cfg.inv_freq(long=True).to(self.device)[None, :]
+                freqs = torch.where(pos >= s.original_max_position_embeddings, long, freqs)
             emb = torch.cat([freqs, freqs], dim=-1)
-            self._rope_cache = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+            cos, sin = emb.cos(), emb.sin()
+            if s.kind == "longrope":
+                cos, sin = cos * s.attention_factor, sin * s.attention_factor
+            self._rope_cache = (cos.to(self.dtype), sin.to(self.dtype))
         cos, sin = self._rope_cache
         return cos[positions][:, None, :], sin[positions][:, None, :]
 
@@ -331,6 +352,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the leading ``cos.shape[-1]`` dims of each head of ``x`` (all of them
+    but for partial rotary), the rest passed through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([_apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -341,14 +367,15 @@ def rerotate_pages(pool: KVPool, inv_freq: torch.Tensor, src, dst, shifts) -> No
     ``shifts[i]`` positions back (``R(p) k`` becomes ``R(p - shift) k``: RoPE by
     ``-shift``), every layer; values unchanged. ``dst[i]`` may equal ``src[i]`` (in
     place). Quantized formats are read dequantized and stored quantized again.
-    ``inv_freq``: the model's rotary frequencies ``[head_dim / 2]``. The hook of
-    ``kv_rerotate`` (``radixkv.cache.compress``)."""
+    ``inv_freq``: the model's rotary frequencies ``[rotary dims / 2]`` (the leading
+    ``2 * len(inv_freq)`` dims of each head rotate). The hook of ``kv_rerotate``
+    (``radixkv.cache.compress``)."""
     if not len(src):
         return
     ps, device = pool.page_size, pool.config.device
     shift = torch.as_tensor(shifts, dtype=torch.float64, device=device).repeat_interleave(ps)  # per token
     angle = -shift[:, None] * inv_freq.to(device=device, dtype=torch.float64)[None, :]
-    emb = torch.cat([angle, angle], -1)[:, None, :]  # [pages * ps, 1, D]
+    emb = torch.cat([angle, angle], -1)[:, None, :]  # [pages * ps, 1, rotary dims]
     cos, sin = emb.cos().float(), emb.sin().float()
     src_slots, dst_slots = pool.slots(src, 0, len(src) * ps), pool.slots(dst, 0, len(dst) * ps)
     for layer in range(pool.config.num_layers):

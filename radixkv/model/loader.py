@@ -42,6 +42,10 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Where an architecture's names differ: Phi-3's fused projections (attn_qkv; ffn_up holds gate and up).
+_GGUF_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 # Architectures whose q/k rows llama.cpp's converter permutes (its rope type "NORM").
 _PERMUTED_ROTARY = ("llama", "mistral")
 _GGUF_GLOBAL_NAMES = {
@@ -82,18 +86,17 @@ def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelC
 
         packed_types = TYPES
     reader = open_gguf(str(path))
-    meta = metadata(path)
-    names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(meta, tie_word_embeddings="output.weight" not in names)
+    config = _gguf_config(path)
+    layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(config.architecture, {})}
     sd = {}
     for t in reader.tensors:
         if t.name in _GGUF_GLOBAL_NAMES:
             name = _GGUF_GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)
-            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
-                continue  # e.g. rope_freqs: derived from the config instead
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+            if parts[0] != "blk" or parts[2] not in layer_names:
+                continue  # e.g. rope_freqs, rope_factors_*: in the config instead
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         shape = [int(n) for n in reversed(t.shape)]
         if int(t.tensor_type) in packed_types and len(shape) == 2:
             w = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)  # [rows, row bytes]
@@ -143,11 +146,27 @@ def load_hf_state_dict(path: str | Path) -> tuple[ModelConfig, dict[str, torch.T
     return config, sd
 
 
-def _layer_tensors(config: ModelConfig) -> list[str]:
-    """The HF names (after ``model.layers.N.``) every layer of ``config`` needs."""
+def _gguf_config(path) -> ModelConfig:
+    """The config of a GGUF file: its metadata, whether it has an output matrix, and
+    Phi-3's longrope factors (small tensors)."""
+    tensors = {t.name: t for t in open_gguf(str(path)).tensors}
+    factors = None
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        try:
+            factors = tuple(np.asarray(tensors[f"rope_factors_{n}.weight"].data, dtype=np.float32).tolist()
+                            for n in ("short", "long"))  # fmt: skip
+        except KeyError as e:
+            raise ModelLoadError(f"{path}: has one of rope_factors_short/long but not {e.args[0]}") from None
+    return ModelConfig.from_gguf(metadata(path), "output.weight" not in tensors, factors)
+
+
+def _layer_tensors(config: ModelConfig, fused: set[str] = frozenset()) -> list[str]:
+    """The HF names (after ``model.layers.N.``) every layer of ``config`` needs; q/k/v
+    (gate/up) as one fused matrix where ``fused`` holds ``qkv`` (``gate_up``)."""
     names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-             "mlp.down_proj.weight", *(f"self_attn.{n}_proj.weight" for n in "qkv"), "mlp.gate_proj.weight",
-             "mlp.up_proj.weight"]  # fmt: skip
+             "mlp.down_proj.weight"]  # fmt: skip
+    names += ["self_attn.qkv_proj.weight"] if "qkv" in fused else [f"self_attn.{n}_proj.weight" for n in "qkv"]
+    names += ["mlp.gate_up_proj.weight"] if "gate_up" in fused else ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
     if config.attention_bias:
         names += [f"self_attn.{n}_proj.bias" for n in "qkv"]
     if config.qk_norm:
@@ -160,18 +179,19 @@ def _check_complete(sd: dict, config: ModelConfig, path) -> None:
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
     for i in range(config.num_layers):
-        needed += [f"model.layers.{i}.{n}" for n in _layer_tensors(config)]
+        p = f"model.layers.{i}."
+        fused = {n for n, at in (("qkv", "self_attn"), ("gate_up", "mlp")) if f"{p}{at}.{n}_proj.weight" in sd}
+        needed += [p + n for n in _layer_tensors(config, fused)]
     missing = [n for n in needed if n not in sd]
     if missing:
         raise ModelLoadError(f"{path}: missing tensors, e.g. {missing[:3]} ({len(missing)} in all)")
 
 
 def load_config(source: ModelSource) -> ModelConfig:
-    """The model's config alone (GGUF metadata or ``config.json``), no tensors read:
+    """The model's config alone (GGUF metadata or ``config.json``), no weights read:
     what sizing the KV pool needs (``radixkv sim --pool-bytes``)."""
     if source.format == "gguf":
-        names = {t.name for t in open_gguf(str(source.path)).tensors}
-        return ModelConfig.from_gguf(metadata(source.path), tie_word_embeddings="output.weight" not in names)
+        return _gguf_config(source.path)
     try:
         return ModelConfig.from_hf(json.loads((Path(source.path) / "config.json").read_text()))
     except (OSError, json.JSONDecodeError, KeyError) as e:
