@@ -43,6 +43,31 @@ VARIANTS = {
              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                               "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 4.0, 9.0, 20.0]}),
     ),  # fmt: skip
+    # Gemma: larger random weights than the default, so that the soft-caps bend the logits
+    "gemma2-softcap-window": (
+        transformers.Gemma2Config,
+        dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+             final_logit_softcapping=3.0, initializer_range=0.2),
+    ),  # fmt: skip
+    "gemma3-local-rope": (  # layers 0, 1 slide with their own base, layer 2 is global with linear scaling
+        transformers.Gemma3TextConfig,
+        dict(head_dim=16, num_hidden_layers=3, sliding_window=6, sliding_window_pattern=3, query_pre_attn_scalar=32,
+             initializer_range=0.2, rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+    ),  # fmt: skip
+    # as llama.cpp's GGUF loader assumes them: query_pre_attn_scalar = head_dim, Gemma 3's layer pattern 6 and
+    # local base 10000
+    "gemma2-like-llama-cpp": (
+        transformers.Gemma2Config,
+        dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+             final_logit_softcapping=3.0, initializer_range=0.2),
+    ),  # fmt: skip
+    "gemma3-like-llama-cpp": (
+        transformers.Gemma3TextConfig,
+        dict(head_dim=16, num_hidden_layers=6, sliding_window=6, query_pre_attn_scalar=16, final_logit_softcapping=3.0,
+             initializer_range=0.2, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),  # fmt: skip
 }
 
 
@@ -120,7 +145,7 @@ def test_bad_dtype_names_the_choices():
         load_model(dtype="float64")
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # what write_gguf lays out as llama.cpp does
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # what write_gguf lays out as llama.cpp does
 
 
 def write_gguf(path, hf_model, architecture="llama", matrices=None):
@@ -143,7 +168,7 @@ def write_gguf(path, hf_model, architecture="llama", matrices=None):
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     if architecture == "phi3":  # as llama.cpp's Phi3MiniModel converter writes it
         rope = cfg.rope_parameters
@@ -155,6 +180,16 @@ def write_gguf(path, hf_model, architecture="llama", matrices=None):
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
             for kind in ("long", "short"):
                 w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    if architecture in ("gemma2", "gemma3"):  # as llama.cpp's Gemma2Model/Gemma3Model converters write it
+        w.add_sliding_window(cfg.sliding_window)
+        if cfg.attn_logit_softcapping is not None:
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if cfg.final_logit_softcapping is not None:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
 
     def permute(t, heads):  # HF halves -> llama.cpp interleaved pairs
         rows = t.shape[0]
@@ -167,6 +202,8 @@ def write_gguf(path, hf_model, architecture="llama", matrices=None):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # save_pretrained leaves the tied head out, and so does the converter
         t = tensor.detach().numpy().astype(np.float32)
+        if architecture.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + 1  # Gemma's norms scale by 1 + weight: the converter stores the sum
         if architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = permute(t, cfg.num_attention_heads)
         elif architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -212,7 +249,8 @@ def prompts(vocab=97):
             (rng.integers(0, vocab, 9).tolist(), rng.integers(0, vocab, 1).tolist())]  # fmt: skip
 
 
-GGUF_VARIANTS = [("qwen3-qk-norm", "qwen3"), ("phi3-partial-longrope-window", "phi3")]
+GGUF_VARIANTS = [("qwen3-qk-norm", "qwen3"), ("phi3-partial-longrope-window", "phi3"),
+                 ("gemma2-like-llama-cpp", "gemma2"), ("gemma3-like-llama-cpp", "gemma3")]  # fmt: skip
 
 
 @pytest.mark.parametrize("variant, architecture", GGUF_VARIANTS)
@@ -230,7 +268,7 @@ def test_gguf_of_a_tiny_checkpoint_matches_transformers(tmp_path, variant, archi
         assert (mine - theirs).abs().max() < 1e-4, variant
 
 
-@pytest.mark.parametrize("variant, architecture", GGUF_VARIANTS)
+@pytest.mark.parametrize("variant, architecture", GGUF_VARIANTS[:2])
 def test_native_weights_of_a_quantized_gguf_follow_its_fp32_expansion(tmp_path, variant, architecture):
     """The native path (packed Q8_0 matrices, the steps between them) against the exact
     fp32 path on the same file: the same architecture-specific steps, so the logits agree
@@ -283,3 +321,70 @@ def test_bad_phi3_rope_and_activation_name_the_field(tmp_path, change, match):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=match):
         load_model(tmp_path)
+
+
+def test_native_weights_refuse_gemma_and_auto_expands_it(tmp_path):
+    from gguf import GGMLQuantizationType
+
+    from radixkv.engine.config import EngineConfig
+
+    hf = write_checkpoint(tmp_path / "hf", "gemma2-like-llama-cpp")
+    write_gguf(tmp_path / "q8.gguf", hf, "gemma2", matrices=GGMLQuantizationType.Q8_0)
+    with pytest.raises(ValueError, match="weights native does not run gemma2 models yet .* use weights fp32"):
+        load_model(tmp_path / "q8.gguf", native=True)
+    assert not EngineConfig().native_weights(resolve_model(tmp_path / "q8.gguf"))  # auto: fp32, exact
+    assert not load_model(tmp_path / "q8.gguf").native
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "gemma3"}, "model_type 'gemma3' in config.json is Gemma 3 with its vision tower"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention: rope type 'linear'"),
+    ({"model_type": "gemma3_text", "sliding_window": 4, "sliding_window_pattern": 0}, "sliding_window_pattern must"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu_new"}, "unsupported hidden_act 'gelu_new'"),
+])  # fmt: skip
+def test_bad_gemma_configs_name_the_field(tmp_path, config, match):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **config}))
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["qwen3-qk-norm", "phi3-partial-longrope-window", "gemma2-softcap-window",
+                                     "gemma3-local-rope"])  # fmt: skip
+def test_tensor_parallel_ranks_give_the_whole_models_logits(tmp_path, variant):
+    """Two ranks of ``shard_model`` (heads and MLP split; q/k and Gemma's norms whole),
+    each in a thread of its own with an in-process all-reduce, give the whole model's
+    logits: what ``--tp 2`` runs over torch.distributed."""
+    import threading
+
+    from radixkv.model.tp import shard_model
+
+    write_checkpoint(tmp_path, variant)
+    whole = load_model(tmp_path)
+    ranks = [shard_model(whole, r, 2) for r in range(2)]
+    barrier, partials = threading.Barrier(2, timeout=60), [None, None]
+
+    def reducer(rank):
+        def all_reduce(t):
+            partials[rank] = t.clone()
+            barrier.wait()
+            total = partials[0] + partials[1]
+            barrier.wait()
+            t.copy_(total)
+
+        return all_reduce
+
+    seqs, outs = prompts(), [None, None]
+
+    def run(rank):
+        ranks[rank].all_reduce = reducer(rank)
+        outs[rank] = run_ours(ranks[rank], seqs)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for mine, theirs in zip(outs[0], run_ours(whole, seqs)):
+        assert (mine - theirs).abs().max() < 1e-4, variant

@@ -1,10 +1,13 @@
-"""Llama-family decoder over a paged KV pool (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM).
+"""Llama-family decoder over a paged KV pool (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 2, Gemma 3's text model, SmolLM).
 
 RMSNorm, RoPE (half-split layout, as HF stores q/k), GQA/MQA attention through a
-backend from ``radixkv.kernels``, SwiGLU MLP, tied or untied output head; per
+backend from ``radixkv.kernels``, gated MLP, tied or untied output head; per
 architecture (``ModelConfig``) q/k/v biases, per-head q/k norms, sliding windows on
-all or some layers, RoPE on the leading part of each head, longrope, and q/k/v (gate/up)
-stored fused. One
+all or some layers, RoPE on the leading part of each head, longrope, q/k/v (gate/up)
+stored fused, and Gemma's pieces: (1 + weight) norms, norms after the attention and the
+MLP too, scaled embeddings, a GeLU MLP, its own attention scale, soft-capped attention
+and output logits, and a RoPE base of their own for the sliding layers. One
 ``forward`` computes a whole ragged batch (``ForwardBatch``): every sequence's new
 tokens, attending to the KV already in the pool; per layer the pool stores the new
 tokens' K/V at ``out_slots`` (in its KV format) and the backend reads the layer's view.
@@ -65,8 +68,15 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: Matrix  # [2 * intermediate, hidden]: gate, up stacked
     down: Matrix  # [hidden, intermediate]
-    q_norm: torch.Tensor | None = None  # [D], over each query head before RoPE (Qwen3)
+    q_norm: torch.Tensor | None = None  # [D], over each query head before RoPE (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None  # [D], over each key head
+    post_attn_norm: torch.Tensor | None = None  # [hidden], on the attention's output (Gemma 2/3)
+    post_mlp_norm: torch.Tensor | None = None  # [hidden], on the MLP's output
+
+
+# Architectures the native (packed GGUF blocks) path runs; the others load expanded (weights fp32).
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
 
 
 class LlamaModel:
@@ -79,13 +89,15 @@ class LlamaModel:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
-        self.dtype = norm.dtype  # activations' (packed matrices compute in float32)
+        # activations' (packed matrices compute in float32; Gemma's norms are float32 whatever the dtype)
+        self.dtype = embed.dtype if isinstance(embed, torch.Tensor) else norm.dtype
         self.device = norm.device
         self.native = any(":" in name for name, _ in self.tensors())  # a packed matrix, alone or stacked
         # Tensor parallelism (radixkv.model.tp): sums a partial ``[T, hidden]`` in place
         # across the ranks, after o_proj and after down_proj; None: the whole model here.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by local (sliding layers' own base)
+        self._act = _ACTIVATIONS[config.hidden_act]
         self._steps = Steps() if self.native else None  # a native model's elementwise steps, in C
         # decode batches of a plain native model run each layer's stretch between attentions in one C call
         self._one_call_layers = self.native and config.architecture in ("llama", "mistral", "qwen2") and all(
@@ -127,10 +139,16 @@ class LlamaModel:
     def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaModel:
         """Build from HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...);
         Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are taken as they are (their rows
-        are already q, k, v and gate, up)."""
+        are already q, k, v and gate, up). Gemma's norms are kept as the factor they scale
+        by, ``1 + weight`` in float32 (as HF computes it on every call); its
+        ``post_attention_layernorm`` is the norm on the attention's output, and
+        ``pre_feedforward_layernorm`` the one before the MLP."""
 
         def fused(name: str, parts: list[str]) -> Matrix:
             return sd[name] if name in sd else stack_rows([sd[n] for n in parts])
+
+        def norm(name: str) -> torch.Tensor:
+            return config.norm_offset + sd[name].float() if config.norm_offset else sd[name]
 
         layers = []
         for i in range(config.num_layers):
@@ -138,24 +156,28 @@ class LlamaModel:
             qkv_bias = None
             if config.attention_bias:
                 qkv_bias = torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-            qk_norms = {}
+            extra = {}
             if config.qk_norm:
-                qk_norms = {f"{n}_norm": sd[p + f"self_attn.{n}_norm.weight"] for n in "qk"}
+                extra.update({f"{n}_norm": norm(p + f"self_attn.{n}_norm.weight") for n in "qk"})
+            mlp_norm = p + "post_attention_layernorm.weight"
+            if config.sandwich_norms:
+                extra.update(post_attn_norm=norm(mlp_norm), post_mlp_norm=norm(p + "post_feedforward_layernorm.weight"))
+                mlp_norm = p + "pre_feedforward_layernorm.weight"
             layers.append(
                 LayerWeights(
-                    attn_norm=sd[p + "input_layernorm.weight"],
+                    attn_norm=norm(p + "input_layernorm.weight"),
                     qkv=fused(p + "self_attn.qkv_proj.weight", [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                     qkv_bias=qkv_bias,
                     o=sd[p + "self_attn.o_proj.weight"],
-                    mlp_norm=sd[p + "post_attention_layernorm.weight"],
+                    mlp_norm=norm(mlp_norm),
                     gate_up=fused(p + "mlp.gate_up_proj.weight", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]),
                     down=sd[p + "mlp.down_proj.weight"],
-                    **qk_norms,
+                    **extra,
                 )
             )
         embed = sd["model.embed_tokens.weight"]
         lm_head = embed if config.tie_word_embeddings else sd["lm_head.weight"]
-        return cls(config, embed, layers, sd["model.norm.weight"], lm_head)
+        return cls(config, embed, layers, norm("model.norm.weight"), lm_head)
 
     # -- forward ------------------------------------------------------------------
 
@@ -175,8 +197,10 @@ class LlamaModel:
         cfg = self.config
         backend = backend or get_backend("torch")
         backend.plan(batch)
-        cos, sin = self._rope(batch.positions)
+        cos, sin = rope = self._rope(batch.positions)
         x = _embed(batch.input_ids, self.embed)
+        if cfg.embed_scale is not None:  # as HF: the scale rounded to float32, then to the activation dtype
+            x = x * torch.tensor(cfg.embed_scale).to(x.dtype)
         head = _linear
         if self.native and self._one_call_layers and all(n == 1 for n in batch.qo_lens):
             mm = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
@@ -186,36 +210,47 @@ class LlamaModel:
             x = self._native_layers(x, batch, pool, backend, cos, sin, mm)
             head = mm if all_logits else partial(_linear, dense=False)  # a row per sequence: the kernel
         else:
-            x = self._dense_layers(x, batch, pool, backend, cos, sin)
+            local = self._rope(batch.positions, local=True) if cfg.local_rope_theta is not None else rope
+            x = self._dense_layers(x, batch, pool, backend, rope, local)
         if not all_logits:
             x = x[(batch.qo_indptr[1:] - 1).long()]
-        x = _rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return head(x, self.lm_head).float()
+        logits = head(self._norm(x, self.norm), self.lm_head)
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits.float()
 
-    def _dense_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
-        """The layers, step by step as HF transformers computes them (the exact mode)."""
-        cfg, reduce = self.config, self.all_reduce
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, weight, self.config.rms_norm_eps, upcast=bool(self.config.norm_offset))
+
+    def _dense_layers(self, x, batch, pool, backend, rope, local_rope) -> torch.Tensor:
+        """The layers, step by step as HF transformers computes them (the exact mode).
+        ``rope``/``local_rope``: cos and sin of the global and the sliding layers."""
+        cfg, reduce, norm = self.config, self.all_reduce, self._norm
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for i, w in enumerate(self.layers):
-            h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+            h = norm(x, w.attn_norm)
             qkv = _linear(h, w.qkv, w.qkv_bias)
             qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
             if w.q_norm is not None:
-                qk = torch.cat([_rms_norm(qk[:, :hq], w.q_norm, cfg.rms_norm_eps),
-                                _rms_norm(qk[:, hq:], w.k_norm, cfg.rms_norm_eps)], dim=1)  # fmt: skip
+                qk = torch.cat([norm(qk[:, :hq], w.q_norm), norm(qk[:, hq:], w.k_norm)], dim=1)
+            cos, sin = local_rope if cfg.local_rope(i) else rope
             q, k = _apply_rope(qk, cos, sin).split([hq, hkv], dim=1)  # q and k at once
             v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.window(i))
+            o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i), cfg.attn_logit_softcap)
             out = _linear(o.reshape(-1, hq * d), w.o)
             if reduce is not None:
                 reduce(out)
+            if w.post_attn_norm is not None:
+                out = norm(out, w.post_attn_norm)
             x = x + out
-            h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+            h = norm(x, w.mlp_norm)
             gate, up = _linear(h, w.gate_up).chunk(2, dim=-1)
-            out = _linear(F.silu(gate) * up, w.down)
+            out = _linear(self._act(gate) * up, w.down)
             if reduce is not None:
                 reduce(out)
+            if w.post_mlp_norm is not None:
+                out = norm(out, w.post_mlp_norm)
             x = x + out
         return x
 
@@ -275,26 +310,27 @@ class LlamaModel:
             qkv = steps.native_layer(x, o, w, layers[i + 1] if i + 1 < len(layers) else None, *args)
         return x
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for ``positions``: [T, 1, R] each (R: the rotary dims), in the
-        model dtype. longrope: a position below the original length takes the short
-        factors, from it on the long ones; cos and sin scaled by its attention factor."""
+        model dtype; with ``local``, the sliding layers' (their own base, unscaled).
+        longrope: a position below the original length takes the short factors, from it
+        on the long ones; cos and sin scaled by its attention factor."""
         needed = int(positions.max()) + 1
-        if self._rope_cache is None or self._rope_cache[0].shape[0] < needed:
+        if local not in self._rope_cache or self._rope_cache[local][0].shape[0] < needed:
             cfg = self.config
             length = max(needed, min(cfg.max_position_embeddings, 8192))
             pos = torch.arange(length, device=self.device, dtype=torch.float32)[:, None]
-            freqs = pos * cfg.inv_freq().to(self.device)[None, :]
+            freqs = pos * cfg.inv_freq(local=local).to(self.device)[None, :]
             s = cfg.rope_scaling
-            if s.kind == "longrope":
+            if s.kind == "longrope" and not local:
                 long = pos * cfg.inv_freq(long=True).to(self.device)[None, :]
                 freqs = torch.where(pos >= s.original_max_position_embeddings, long, freqs)
             emb = torch.cat([freqs, freqs], dim=-1)
             cos, sin = emb.cos(), emb.sin()
-            if s.kind == "longrope":
+            if s.kind == "longrope" and not local:
                 cos, sin = cos * s.attention_factor, sin * s.attention_factor
-            self._rope_cache = (cos.to(self.dtype), sin.to(self.dtype))
-        cos, sin = self._rope_cache
+            self._rope_cache[local] = (cos.to(self.dtype), sin.to(self.dtype))
+        cos, sin = self._rope_cache[local]
         return cos[positions][:, None, :], sin[positions][:, None, :]
 
 
@@ -345,9 +381,14 @@ def _linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None, dense:
     return out if bias is None else out + bias
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, upcast: bool = False) -> torch.Tensor:
+    """RMSNorm of ``x`` (computed in float32) times ``weight``: Llama's way, the norm
+    back in ``x``'s dtype and then scaled; with ``upcast`` Gemma's, scaled in float32
+    and then cast (the same in float32)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if upcast:
+        return (h * weight).to(x.dtype)
     return weight * h.to(x.dtype)
 
 

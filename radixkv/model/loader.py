@@ -20,7 +20,7 @@ import torch
 from radixkv.errors import ModelLoadError
 from radixkv.model.config import ModelConfig
 from radixkv.model.gguf_file import metadata, open_gguf
-from radixkv.model.llama import LlamaModel
+from radixkv.model.llama import NATIVE_ARCHITECTURES, LlamaModel
 from radixkv.model.registry import ModelSource, resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,9 +42,17 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-# Where an architecture's names differ: Phi-3's fused projections (attn_qkv; ffn_up holds gate and up).
+# Where an architecture's names differ: Phi-3's fused projections (attn_qkv; ffn_up holds gate and up);
+# Gemma's sandwich norms (HF's post_attention_layernorm follows the attention there; ffn_norm comes before the MLP).
+_GEMMA_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GGUF_ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (its rope type "NORM").
 _PERMUTED_ROTARY = ("llama", "mistral")
@@ -107,6 +115,8 @@ def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelC
                 raise ModelLoadError(f"{path}: tensor {t.name} uses unsupported quantization "
                                      f"{t.tensor_type.name}") from None  # fmt: skip
             w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if config.norm_offset and t.name.endswith("norm.weight"):
+            w = w - np.float32(config.norm_offset)  # llama.cpp's converter stored Gemma's norms as 1 + weight
         permuted = config.architecture in _PERMUTED_ROTARY
         if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rotary(w, config.num_heads)
@@ -171,6 +181,8 @@ def _layer_tensors(config: ModelConfig, fused: set[str] = frozenset()) -> list[s
         names += [f"self_attn.{n}_proj.bias" for n in "qkv"]
     if config.qk_norm:
         names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if config.sandwich_norms:
+        names += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     return names
 
 
@@ -205,9 +217,10 @@ def load_state_dict(source: ModelSource, native: bool = False) -> tuple[ModelCon
 
 
 def has_native_weights(source: ModelSource) -> bool:
-    """Whether ``source`` is a GGUF file whose matrices are mostly in quantized types the
-    kernels read in place (what ``weights="auto"`` runs natively)."""
-    if source.format != "gguf":
+    """Whether ``source`` is a GGUF file of an architecture the native path runs
+    (``NATIVE_ARCHITECTURES``) whose matrices are mostly in quantized types the kernels
+    read in place (what ``weights="auto"`` runs natively)."""
+    if source.format != "gguf" or load_config(source).architecture not in NATIVE_ARCHITECTURES:
         return False
     from radixkv.kernels.weights import TYPES
 
@@ -232,6 +245,10 @@ def load_model(
             raise ValueError(f"weights native: {source.path} is not a GGUF file (its weights are not quantized blocks)")
         if str(device) != "cpu" or dtype != torch.float32:
             raise ValueError(f"weights native computes in float32 on the CPU, not {dtype} on {device}")
+        arch = load_config(source).architecture
+        if arch not in NATIVE_ARCHITECTURES:
+            raise ValueError(f"weights native does not run {arch} models yet (only {', '.join(NATIVE_ARCHITECTURES)}): "
+                             "use weights fp32")  # fmt: skip
     return _load(source, dtype, str(device), native, source.path.stat().st_mtime_ns)
 
 
