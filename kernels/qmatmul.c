@@ -719,6 +719,64 @@ int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, cons
     return 0;
 }
 
+/* ---- float32 weights, a few tokens ----
+ *
+ * The exact mode's decode products: y[n, rows] = x[n, cols] . W^T with W float32. A BLAS
+ * runs a matrix-vector product on one core; these split the rows over the threads (a decode
+ * step is bound by reading W, and two cores read faster than one). Each (row, token) dot
+ * takes the same steps whatever n or the threads (two 8-lane accumulators over alternate
+ * groups of 8 columns, then the tail), so a token's result does not depend on its batch. */
+static inline __attribute__((always_inline)) void sdot_row(const float *w, const float *const *xs, const int nt,
+                                                           int64_t cols, float *out) {
+    int64_t j = 0;
+#ifdef USE_AVX2
+    __m256 acc[NT_MAX][2];
+    for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (; j + 16 <= cols; j += 16) {
+        __m256 w0 = _mm256_loadu_ps(w + j), w1 = _mm256_loadu_ps(w + j + 8);
+        for (int t = 0; t < nt; t++) {
+            acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[t] + j), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[t] + j + 8), acc[t][1]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+#else
+    for (int t = 0; t < nt; t++) out[t] = 0.0f;
+#endif
+    for (int t = 0; t < nt; t++) {
+        float tail = 0.0f;
+        for (int64_t k = j; k < cols; k++) tail = fmaf(w[k], xs[t][k], tail);
+        out[t] += tail;
+    }
+}
+
+static void sdot_rows(const float *w, const float *const *xs, int nt, int64_t cols, float *out) {
+    switch (nt) {
+    case 1: sdot_row(w, xs, 1, cols, out); break;
+    case 2: sdot_row(w, xs, 2, cols, out); break;
+    case 3: sdot_row(w, xs, 3, cols, out); break;
+    default: sdot_row(w, xs, 4, cols, out); break;
+    }
+}
+
+void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
+                         int threads) {
+    int64_t chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < rows ? r0 + ROW_CHUNK : rows;
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t b = 0; b < n; b += NT_MAX) {
+                int nt = n - b < NT_MAX ? (int)(n - b) : NT_MAX;
+                const float *xs[NT_MAX];
+                float out[NT_MAX];
+                for (int t = 0; t < nt; t++) xs[t] = x + (b + t) * cols;
+                sdot_rows(w + r * cols, xs, nt, cols, out);
+                for (int t = 0; t < nt; t++) y[(b + t) * rows + r] = out[t];
+            }
+    }
+}
+
 /* ---- the steps between the products, for native models ----
  *
  * A decode step of a small model spends as long in its elementwise steps (norms, rotary

@@ -83,12 +83,28 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_silu_mul.restype = None
             lib.radixkv_rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
             lib.radixkv_rope.restype = None
+            lib.radixkv_sgemm_small.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+            lib.radixkv_sgemm_small.restype = None
             q, f = ctypes.POINTER(QMat), ctypes.c_float
             lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _i64, _i64,
                                                  _ptr, _ptr, _ptr, _int]  # fmt: skip
             lib.radixkv_native_layer.restype = _int
             _libraries[portable] = lib
         return _libraries[portable]
+
+
+def small_matmul(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """``x @ w.T`` for a few float32 rows ``x [n, cols]`` and float32 weights ``w [rows,
+    cols]`` (contiguous, on the CPU): the rows of ``w`` shared out over the threads, each
+    (row, token) dot in a fixed order, so a token's result does not depend on ``n``. A
+    BLAS computes a decode-sized product on one core; a decode step is bound by reading
+    ``w``, which two cores do faster. Raises ImportError without the C library."""
+    lib = load_library()
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    lib.radixkv_sgemm_small(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(),
+                            threads or torch.get_num_threads())  # fmt: skip
+    return y
 
 
 def row_bytes(type_id: int, cols: int) -> int:

@@ -89,6 +89,21 @@ def test_a_token_gets_the_same_bits_alone_or_in_any_batch_on_any_thread_count(ty
     assert torch.equal(m.linear(x[3:9]), together[3:9])
 
 
+@pytest.mark.parametrize("cols", [576, 100])  # a multiple of 16, and a tail of 4
+def test_float32_decode_products_are_exact_sums_and_batch_invariant(cols):
+    """The exact mode's decode-sized products (``small_matmul``): within float32 rounding
+    of float64, and a token's bits the same alone, in any batch, on any thread count."""
+    g = torch.Generator().manual_seed(cols)
+    w, x = torch.randn(67, cols, generator=g), torch.randn(9, cols, generator=g)
+    together = weights.small_matmul(x, w, threads=2)
+    exact = x.double() @ w.double().T
+    assert ((together.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+    assert torch.equal(weights.small_matmul(x, w, threads=1), together)
+    for i in range(len(x)):
+        assert torch.equal(weights.small_matmul(x[i : i + 1], w)[0], together[i])
+    assert torch.equal(weights.small_matmul(x[2:7], w), together[2:7])
+
+
 def test_the_thread_count_is_honoured():
     m = PackedMatrix(3, torch.from_numpy(random_blocks(3, 64, 256)), 256)
     for threads in (1, 2, 3):

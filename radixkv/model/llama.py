@@ -19,7 +19,7 @@ same RoPE tables), so results match it to float rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import partial
+from functools import cache, partial
 from typing import Callable
 
 import torch
@@ -30,7 +30,7 @@ from radixkv.model.batch import ForwardBatch
 from radixkv.kernels import AttentionBackend, get_backend
 from radixkv.model.config import ModelConfig
 
-from radixkv.kernels.weights import PackedMatrix, Steps  # the C library builds on first use
+from radixkv.kernels.weights import PackedMatrix, Steps, load_library, small_matmul  # the C library builds on first use
 
 
 class Stacked:
@@ -367,18 +367,31 @@ def _embed(ids: torch.Tensor, table: Matrix) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None, dense: bool | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)``; a packed or stacked ``w`` computes it itself. On the CPU,
-    for a dense ``w`` and a few rows (decode steps) it is computed as
-    ``(w @ x.T).T``: the BLAS then streams ``w`` once instead of packing it first, which
-    measured 30-45% faster per weight matrix for 16 rows with weights out of cache (this
-    2-core machine, torch 2.13), with identical values. Prefill-sized inputs keep
-    ``F.linear``."""
+    for a dense ``w`` and a few rows (decode steps): float32 through ``small_matmul``
+    (the rows of ``w`` over every thread, each token's dots in a fixed order: batch 1
+    measured 2x torch's one-core matrix-vector product, this 2-core machine, torch 2.13),
+    other dtypes as ``(w @ x.T).T`` (the BLAS then streams ``w`` once instead of packing
+    it first: 30-45% faster per weight matrix for 16 rows with weights out of cache).
+    Prefill-sized inputs keep ``F.linear``."""
     if not isinstance(w, torch.Tensor):  # packed (dense: its path, see PackedMatrix.linear) or stacked
         out = w.linear(x, dense=dense)
         return out if bias is None else out + bias
     if x.device.type != "cpu" or x.shape[0] > SMALL_BATCH_ROWS:
         return F.linear(x, w, bias)
-    out = (w @ x.t()).t().contiguous()
+    if w.dtype == x.dtype == torch.float32 and w.is_contiguous() and _small_matmul_available():
+        out = small_matmul(x, w)
+    else:
+        out = (w @ x.t()).t().contiguous()
     return out if bias is None else out + bias
+
+
+@cache
+def _small_matmul_available() -> bool:
+    try:
+        load_library()  # built on first use
+    except ImportError:  # no C compiler: torch's products
+        return False
+    return True
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, upcast: bool = False) -> torch.Tensor:
