@@ -348,7 +348,7 @@ def _train_spm(folder, model_type, **options):
     corpus.write_text("\n".join(" ".join(rng.choice(SPM_WORDS) for _ in range(10)) for _ in range(1500)))
     spm.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(folder / "tokenizer"), model_type=model_type, vocab_size=400,
-        hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0, minloglevel=2, **options,
+        hard_vocab_limit=False, character_coverage=1.0, minloglevel=2, **{"byte_fallback": True, **options},
     )
     corpus.unlink()
     (folder / "tokenizer.vocab").unlink()
@@ -431,6 +431,98 @@ def test_sentencepiece_unigram_with_normalization_matches_sentencepiece(tmp_path
         assert loaded.decode(loaded.encode(text)) == sp.decode(sp.encode(text))
 
 
+def _write_spm_gguf(path, sp, add_space_prefix=None, user_defined=()):
+    """``sp``'s vocabulary as llama.cpp's converter writes a SentencePiece model into a
+    GGUF (``_create_vocab_sentencepiece``): every piece with its score and type, then
+    added tokens as user-defined ones; bos/eos/unk ids; add_space_prefix only when given
+    (Gemma's converter writes false)."""
+    gguf = pytest.importorskip("gguf")
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i)
+                     else 6 if sp.is_byte(i) else 1)  # fmt: skip
+    for token in user_defined:
+        tokens, scores, types = [*tokens, token], [*scores, -1000.0], [*types, 4]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    for add, token_id in [(w.add_bos_token_id, sp.bos_id()), (w.add_eos_token_id, sp.eos_id()),
+                          (w.add_unk_token_id, sp.unk_id())]:  # fmt: skip
+        if token_id >= 0:
+            add(token_id)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+GGUF_SPM_TEXTS = [t for t in CORPUS if "<" not in t] + [
+    "  two leading", " ", "\n", "a\n b\n\n c", "x\x00y\x7f", "☃ snowman ⛄", "東京 über naïve", "🦀🦀 crab",
+]
+
+
+def _no_dummy_prefix(sp):
+    """``sp`` without its "▁" prefix (an appended NormalizerSpec with add_dummy_prefix false)."""
+    spm = pytest.importorskip("sentencepiece")
+    return spm.SentencePieceProcessor(model_proto=sp.serialized_model_proto() + b"\x1a\x02\x18\x00")
+
+
+@pytest.mark.parametrize("add_space_prefix", [None, False], ids=["prefix", "no-prefix"])
+def test_gguf_sentencepiece_matches_sentencepiece(llama_style_spm, tmp_path, add_space_prefix):
+    """A GGUF 'llama' tokenizer encodes as SentencePiece encodes the same model, id for id
+    (spaces, leading spaces, newlines, unicode, bytes no piece covers) and decodes alike;
+    with add_space_prefix false (Gemma's files) as SentencePiece without its dummy prefix."""
+    _, sp = llama_style_spm
+    loaded = Tokenizer.from_gguf(_write_spm_gguf(tmp_path / "spm.gguf", sp, add_space_prefix))
+    reference = sp if add_space_prefix is None else _no_dummy_prefix(sp)
+    for text in GGUF_SPM_TEXTS:
+        ids = loaded.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text), text
+        assert loaded.decode(ids) == reference.decode(ids) == text, text
+        assert "".join(_stream(loaded, ids)) == text
+    assert any(sp.is_byte(i) for i in loaded.encode("☃", add_special_tokens=False))  # byte fallback was taken
+    assert loaded.encode("hi")[0] == sp.bos_id() and loaded.encode("hi")[1:] == reference.encode("hi")  # bos added
+    assert dict(loaded.special_tokens) == {"<unk>": 0, "<s>": 1, "</s>": 2}
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.vocab_size) == (1, 2, sp.get_piece_size())
+
+
+def test_gguf_sentencepiece_runs_after_special_tokens_get_the_prefix_as_in_llama_cpp(llama_style_spm, tmp_path):
+    """Control and user-defined tokens are matched whole; llama.cpp then encodes each run
+    of text between them on its own, with the "▁" prefix (transformers' Metaspace gives it
+    to the first run only): the expected ids are SentencePiece's of each run. Checked once
+    against llama.cpp's own tokenizer too (llama-server's /tokenize, 130 strings)."""
+    _, sp = llama_style_spm
+    loaded = Tokenizer.from_gguf(_write_spm_gguf(tmp_path / "spm.gguf", sp, user_defined=["<tool>"]))
+    tool = sp.get_piece_size()
+    cases = {
+        "<s>hello world</s> again": [1, *sp.encode("hello world"), 2, *sp.encode(" again")],
+        "hi<s>  hello": [*sp.encode("hi"), 1, *sp.encode("  hello")],
+        "a<tool>b": [*sp.encode("a"), tool, *sp.encode("b")],
+        "<tool>": [tool],
+    }
+    for text, ids in cases.items():
+        assert loaded.encode(text, add_special_tokens=False) == ids, text
+    assert "<tool>" not in loaded.special_tokens
+    assert loaded.encode("<s>", add_special_tokens=False, split_special_tokens=True) == sp.encode("<s>")
+
+
+def test_gguf_sentencepiece_without_byte_fallback_uses_the_unknown_token(tmp_path):
+    sp = _train_spm(tmp_path, "bpe", normalization_rule_name="identity", remove_extra_whitespaces=False,
+                    byte_fallback=False)  # fmt: skip
+    loaded = Tokenizer.from_gguf(_write_spm_gguf(tmp_path / "spm.gguf", sp))
+    for text in ["☃☃ snow ⛄ x", "東京 ☃", "hello"]:
+        assert loaded.encode(text, add_special_tokens=False) == sp.encode(text), text
+    assert sp.unk_id() in loaded.encode("☃☃", add_special_tokens=False)
+
+
 # --- errors -----------------------------------------------------------------------------
 
 
@@ -457,9 +549,12 @@ def test_unreadable_files_raise_model_load_error(tmp_path):
 
 
 def test_unsupported_gguf_tokenizers_raise_model_load_error(tmp_path):
-    spm_gguf = _write_gguf(tmp_path / "spm.gguf", ["<unk>", "<s>", "</s>", "▁a"], [2, 3, 3, 1], None, model="llama")
-    with pytest.raises(ModelLoadError, match="'llama' is not supported"):
-        Tokenizer.from_gguf(spm_gguf)
+    t5_gguf = _write_gguf(tmp_path / "t5.gguf", ["<pad>", "</s>", "▁a"], [3, 3, 1], None, model="t5")
+    with pytest.raises(ModelLoadError, match="'t5' is not supported, only 'gpt2' .* and 'llama'"):
+        Tokenizer.from_gguf(t5_gguf)
+    no_scores = _write_gguf(tmp_path / "spm.gguf", ["<unk>", "<s>", "</s>", "▁a"], [2, 3, 3, 1], None, model="llama")
+    with pytest.raises(ModelLoadError, match="SentencePiece tokenizer needs tokenizer.ggml.tokens, .scores"):
+        Tokenizer.from_gguf(no_scores)
     no_merges = _write_gguf(tmp_path / "nomerges.gguf", ["a", "b"], [1, 1], None, model="gpt2")
     with pytest.raises(ModelLoadError, match="merges"):
         Tokenizer.from_gguf(no_merges)

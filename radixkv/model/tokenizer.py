@@ -6,6 +6,10 @@ One `Tokenizer` over three kinds of files:
   from the file's vocabulary and merges with the ``tokenizers`` package, the way
   transformers' GGUF loader rebuilds it (transformers is the reference the tests
   compare against, id for id);
+- a GGUF file with ``tokenizer.ggml.model == "llama"`` (a SentencePiece BPE model, as
+  llama.cpp's converter writes it: pieces, scores and types): rebuilt with ``tokenizers``
+  to encode as llama.cpp's SentencePiece tokenizer does, which is SentencePiece's own
+  encoding of each run of text (the tests compare with ``sentencepiece`` id for id);
 - an HF directory with ``tokenizer.json``: loaded by ``tokenizers`` as it is;
 - an HF directory with only a SentencePiece ``tokenizer.model``: encoded by the
   ``sentencepiece`` package itself, with added tokens such as ``<s>`` matched whole.
@@ -47,7 +51,7 @@ END_OF_TURN_TOKENS = (
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 # llama.cpp's token types in ``tokenizer.ggml.token_type``.
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+_GGUF_NORMAL, _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED, _GGUF_UNUSED, _GGUF_BYTE = 1, 2, 3, 4, 5, 6
 
 # How text is cut into words before BPE, per ``tokenizer.ggml.pre``. These are the split
 # patterns the models were trained with (Llama 3's, Qwen2's, ...); a ``pre`` not listed
@@ -398,24 +402,34 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer stored in a GGUF file's metadata. Only byte-level BPE
-        (``tokenizer.ggml.model == "gpt2"``) is supported. Raises ModelLoadError for a
-        missing or unreadable file, a file without a tokenizer, another tokenizer model
-        (such as SentencePiece's ``llama``), or missing vocabulary or merges."""
+        """The tokenizer stored in a GGUF file's metadata: byte-level BPE
+        (``tokenizer.ggml.model == "gpt2"``) or SentencePiece BPE (``"llama"``; bos added
+        unless ``tokenizer.ggml.add_bos_token`` says otherwise, as llama.cpp does). Raises
+        ModelLoadError for a missing or unreadable file, a file without a tokenizer, another
+        tokenizer model (such as ``t5``'s Unigram), or a missing vocabulary, merges
+        (``gpt2``) or scores (``llama``)."""
         meta = metadata(path)
         kind = meta.get("tokenizer.ggml.model")
         if kind is None:
             raise ModelLoadError(f"{path}: the GGUF file holds no tokenizer (no tokenizer.ggml.model)")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ModelLoadError(
-                f"{path}: GGUF tokenizer model {kind!r} is not supported, only 'gpt2' (byte-level BPE); "
-                "load the model's HF directory (tokenizer.json or tokenizer.model) instead"
+                f"{path}: GGUF tokenizer model {kind!r} is not supported, only 'gpt2' (byte-level BPE) and 'llama' "
+                "(SentencePiece BPE); load the model's HF directory (tokenizer.json or tokenizer.model) instead"
             )
-        tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
-        if not tokens or not merges:
-            raise ModelLoadError(f"{path}: a byte-level BPE tokenizer needs tokenizer.ggml.tokens and .merges")
-        types = meta.get("tokenizer.ggml.token_type") or []
-        tok = _byte_level_bpe(tokens, merges, types, meta.get("tokenizer.ggml.pre"), path)
+        tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type") or []
+        if kind == "gpt2":
+            merges = meta.get("tokenizer.ggml.merges")
+            if not tokens or not merges:
+                raise ModelLoadError(f"{path}: a byte-level BPE tokenizer needs tokenizer.ggml.tokens and .merges")
+            tok = _byte_level_bpe(tokens, merges, types, meta.get("tokenizer.ggml.pre"), path)
+        else:
+            scores = meta.get("tokenizer.ggml.scores")
+            if not tokens or not scores or len(scores) != len(tokens) or len(types) not in (0, len(tokens)):
+                raise ModelLoadError(f"{path}: a SentencePiece tokenizer needs tokenizer.ggml.tokens, .scores and "
+                                     ".token_type of one length")  # fmt: skip
+            unk = meta.get("tokenizer.ggml.unknown_token_id")
+            tok = _sentencepiece_bpe(tokens, scores, types, unk, meta.get("tokenizer.ggml.add_space_prefix", True))
 
         def token_named(key: str) -> str | None:
             token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -429,8 +443,8 @@ class Tokenizer:
         }
         _add_named_tokens(tok, named)
         tok.post_processor = _bos_eos_processor(
-            tok,
-            named["bos_token"] if meta.get("tokenizer.ggml.add_bos_token", False) else None,
+            tok,  # llama.cpp adds bos to a SentencePiece vocabulary unless the file says not to
+            named["bos_token"] if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") else None,
             named["eos_token"] if meta.get("tokenizer.ggml.add_eos_token", False) else None,
         )
         extra_eos = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
@@ -527,6 +541,54 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], pre:
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     user = [t for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED and t in vocab]
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk_id: int | None,
+                       add_space_prefix: bool):  # fmt: skip
+    """A ``tokenizers.Tokenizer`` that encodes a GGUF SentencePiece vocabulary as
+    llama.cpp does, which is SentencePiece's BPE encoding of each run of text:
+
+    - a run of text (the whole text, and each stretch after a control or user-defined
+      token matched whole) gets SentencePiece's "▁" prefix when ``add_space_prefix``
+      (the GGUF's ``tokenizer.ggml.add_space_prefix``, default true), even before a
+      leading space, and its spaces become "▁" (a normalizer, not transformers'
+      ``Metaspace``, which prefixes only the first run and never a leading space);
+    - its characters then merge, best first, into the pieces of the vocabulary, the
+      better piece being the one with the higher score: merges derived from the normal
+      pieces, ranked by their scores (ties: the longer left part first, as transformers
+      orders them);
+    - what no piece covers falls back to its UTF-8 bytes (``<0xNN>`` tokens), else the
+      unknown token (consecutive ones fused into one, as SentencePiece does).
+
+    Decoding turns "▁" back into spaces, byte tokens into bytes, and drops the prefix's
+    space at the start."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    types = types or [_GGUF_NORMAL] * len(tokens)
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)  # a piece listed twice keeps its first id
+    normal = {t: score for t, score, kind in zip(tokens, scores, types) if kind == _GGUF_NORMAL}
+    merges = []
+    for piece, score in normal.items():
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal]
+        merges += [(left, right, score) for left, right in sorted(splits, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    if unk_id is None or not 0 <= unk_id < len(tokens):
+        unk_id = next((i for i, kind in enumerate(types) if kind == _GGUF_UNKNOWN), None)
+    model = models.BPE(vocab=vocab, merges=[(left, right) for left, right, _ in merges], dropout=None,
+                       unk_token=None if unk_id is None else tokens[unk_id], fuse_unk=True, byte_fallback=True)  # fmt: skip
+    tok = RawTokenizer(model)
+    spaces = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if add_space_prefix else spaces
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_space_prefix else steps)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, kind in zip(tokens, types) if kind == _GGUF_CONTROL])  # fmt: skip
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED])  # fmt: skip
     return tok
 
 
