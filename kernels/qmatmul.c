@@ -254,28 +254,6 @@ static void dequant_block(int type, const uint8_t *b, float *y) {
 }
 
 
-/* One row of the kernels' layout (split for the 32-value types) as floats. */
-static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
-    int bv = block_values(type), bb = block_bytes(type);
-    int64_t nb = cols / bv;
-    uint8_t blk[34];
-    for (int64_t i = 0; i < nb; i++) {
-        if (is_split(type)) gather_block(type, w, nb, i, blk);
-        dequant_block(type, is_split(type) ? blk : w + i * bb, y + i * bv);
-    }
-}
-
-/* out[i] = row ids[i] of W (the kernels' layout) as floats (every row when ids is NULL).
- * Returns -1 for an unknown type or a row length the type's blocks do not divide. */
-int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out,
-                         int threads) {
-    int64_t rb = row_bytes(type, cols);
-    if (rb < 0) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) dequant_row(type, w + (ids ? ids[i] : i) * rb, cols, out + i * cols);
-    return 0;
-}
-
 /* ---- activations ----
  *
  * A token's rounded activations: codes q[32 i + j] and, per block i, its scale d[i] and
@@ -638,6 +616,57 @@ static void dot_row(int type, const uint8_t *w, const xrow *xs, int nt, int64_t 
 }
 
 
+/* ---- dequantization of whole rows (embedding rows, the prefill path) ---- */
+
+/* One row of the kernels' layout (split for the 32-value types) as floats. AVX2 takes a
+ * 32-value type's block from its 16-bit codes (d u + m: products of an fp16 and a small
+ * integer are exact in float32, so the one rounding is the add's, as in the scalar code). */
+static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
+    int bv = block_values(type), bb = block_bytes(type);
+    int64_t nb = cols / bv;
+#ifdef USE_AVX2
+    if (is_split(type)) {
+        const split_fields f = fields_of(type, nb);
+        const float base = type == T_Q5_0 ? -16.0f : type == T_Q4_0 ? -8.0f : 0.0f;
+        for (int64_t i = 0; i < nb; i++, y += 32) {
+            __m256i c[2];
+            switch (type) {  /* constant types: split_codes' branches fold */
+            case T_Q4_0: split_codes(T_Q4_0, w + f.qs, w + f.qh, i, c); break;
+            case T_Q4_1: split_codes(T_Q4_1, w + f.qs, w + f.qh, i, c); break;
+            case T_Q5_0: split_codes(T_Q5_0, w + f.qs, w + f.qh, i, c); break;
+            case T_Q5_1: split_codes(T_Q5_1, w + f.qs, w + f.qh, i, c); break;
+            default: split_codes(T_Q8_0, w + f.qs, w + f.qh, i, c); break;
+            }
+            float d = half(w + 2 * i), m = f.has_m ? half(w + f.m + 2 * i) : base * d;
+            const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+            for (int h = 0; h < 2; h++) {
+                __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(c[h]));
+                __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c[h], 1));
+                _mm256_storeu_ps(y + 16 * h, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(lo)), vm));
+                _mm256_storeu_ps(y + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(hi)), vm));
+            }
+        }
+        return;
+    }
+#endif
+    uint8_t blk[34];
+    for (int64_t i = 0; i < nb; i++) {
+        if (is_split(type)) gather_block(type, w, nb, i, blk);
+        dequant_block(type, is_split(type) ? blk : w + i * bb, y + i * bv);
+    }
+}
+/* out[i] = row ids[i] of W (the kernels' layout) as floats (every row when ids is NULL).
+ * Returns -1 for an unknown type or a row length the type's blocks do not divide. */
+int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out,
+                         int threads) {
+    int64_t rb = row_bytes(type, cols);
+    if (rb < 0) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) dequant_row(type, w + (ids ? ids[i] : i) * rb, cols, out + i * cols);
+    return 0;
+}
+
+
 /* ---- the product ---- */
 
 #define ROW_CHUNK 16   /* rows one task computes (their packed bytes stay in L1/L2) */
@@ -796,9 +825,37 @@ static __attribute__((noinline)) void add_rms_norm_row(float *xr, const float *a
     for (int64_t j = 0; j < d; j++) o[j] = w[j] * (xr[j] * inv);
 }
 
+#ifdef USE_AVX2
+/* e^x, eight lanes (within 2 ulp of expf): x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes'
+ * degree-6 polynomial, times 2^n through the exponent bits; x clamped to e^x's finite range. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 static __attribute__((noinline)) void silu_mul_row(const float *g, int64_t inter, float *o) {
     const float *u = g + inter;
-    for (int64_t j = 0; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    int64_t j = 0;
+#ifdef USE_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; j + 8 <= inter; j += 8) {
+        __m256 gv = _mm256_loadu_ps(g + j), e = exp8(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }
 
 static __attribute__((noinline)) void rope_row(float *x, int64_t heads, int64_t d, const float *c, const float *s) {

@@ -104,6 +104,34 @@ def test_float32_decode_products_are_exact_sums_and_batch_invariant(cols):
     assert torch.equal(weights.small_matmul(x[2:7], w), together[2:7])
 
 
+def test_the_native_steps_match_torch():
+    """The C steps between a native model's products: SwiGLU (a vectorized exp, within
+    float32 rounding of torch's silu, finite at the extremes, the last columns scalar),
+    RMSNorm with the residual added, RoPE."""
+    g = torch.Generator().manual_seed(5)
+    gate = torch.cat([torch.linspace(-120, 120, 301), torch.randn(2 * 301) * 4]).reshape(3, 301)
+    up = torch.randn(3, 301, generator=g)
+    out = weights.Steps().silu_mul(torch.cat([gate, up], 1).contiguous())
+    expected = torch.nn.functional.silu(gate.double()) * up.double()
+    assert torch.isfinite(out).all()
+    assert ((out.double() - expected).abs() <= 1e-6 * expected.abs() + 1e-30).all()
+    x, add, w = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
+    residual = x + add
+    normed = weights.Steps().add_rms_norm(x, add, w, 1e-5)
+    assert torch.equal(x, residual)  # the residual added in place
+    expected = w * residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.allclose(normed, expected, rtol=1e-5, atol=1e-6)
+    qk = torch.randn(2, 3 * 8, generator=g)
+    angle = torch.randn(2, 4, generator=g)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    rotated = qk.clone()
+    weights.Steps().rope_(rotated, 2, 8, cos, sin)  # the first two heads of three
+    heads = qk.view(2, 3, 8)
+    half = torch.cat([-heads[..., 4:], heads[..., :4]], -1)
+    expected = torch.cat([(heads * cos[:, None] + half * sin[:, None])[:, :2], heads[:, 2:]], 1).reshape(2, -1)
+    assert torch.allclose(rotated, expected, atol=1e-6)
+
+
 def test_the_thread_count_is_honoured():
     m = PackedMatrix(3, torch.from_numpy(random_blocks(3, 64, 256)), 256)
     for threads in (1, 2, 3):
