@@ -6,9 +6,8 @@ One frozen dataclass, built from an HF ``config.json`` dict or from GGUF metadat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,8 +62,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # Mistral-style local attention, in tokens
-    sliding_layers: tuple[bool, ...] | None = None  # per layer: attends within sliding_window; None: every layer
-    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
+    sliding_layers: tuple[bool, ...] | None = None  # per layer: a sliding layer; None: all when there is a window
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
     rotary_dim: int | None = None  # leading dims of each head that RoPE rotates (Phi-3's partial_rotary_factor)
     hidden_act: str = "silu"
     # Gemma 2/3:
