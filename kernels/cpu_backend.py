@@ -99,6 +99,20 @@ class CpuBackend(TorchBackend):
         self._kernel_observed = frozenset(at)
         self._mass_at = torch.tensor([at.get(i, -1) for i in rows], dtype=torch.int64) if at else None
 
+    def decode_kernel(self, kv) -> tuple[int, int, int, int, int] | None:
+        """For a model that runs a whole decode step in C (``radixkv_native_decode``): the
+        address of the kernel function and of this plan's row, page-start, page and length
+        arrays (alive until the next plan), when every sequence decodes, nothing is
+        observed and ``kv`` (a layer's view; every layer's is alike) holds float32 pages
+        the kernel reads; else None."""
+        if len(self.decode_rows) < len(self.qo_lens) or self.mass:
+            return None
+        if kv.k_params is not None or kv.sealer is not None or _kernel_format(kv.k, kv) != _KV_FP32:
+            return None
+        fn = ctypes.cast(self._lib.radixkv_paged_decode, ctypes.c_void_p).value
+        return (fn, self._q_rows.data_ptr(), self._kv_starts.data_ptr(), self._kv_indices.data_ptr(),
+                self._decode_lens.data_ptr())  # fmt: skip
+
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         k_cache, v_cache = kv.k, kv.v
         kv_format = _kernel_format(q, kv) if self.decode_rows else None

@@ -946,3 +946,64 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
     xbuf_free(&xb);
     return 0;
 }
+
+/* ---- a decode step's layers in one call ----
+ *
+ * For a native model's decode batch over a float32 KV pool with the CPU attention kernel:
+ * every layer in turn, its new K/V rows copied into the pool (what the pool's store does
+ * for float32 pages), its attention through cpu_decode.c's radixkv_paged_decode (passed in
+ * as a function pointer with the arguments CpuBackend.plan prepared, so the same kernel with
+ * the same arguments), and radixkv_native_layer between attentions: the same computation,
+ * bit for bit, as the layer loop in Python, without its per-layer calls. */
+
+typedef int (*attend_fn)(const float *, const void *, const void *, const void *, const void *, const float *,
+                         const float *, const float *, const float *, const float *, const float *, const int64_t *,
+                         const int64_t *, const int32_t *, const int32_t *, const int32_t *, float *, float *,
+                         const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float, int64_t);
+
+typedef struct {  /* one layer, as weights.py describes it */
+    qmat qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm, *qkv_bias;
+    float *k_cache, *v_cache;  /* the layer's float32 pages: [pages * page_size, hkv, d] */
+    int64_t window;            /* sliding window in tokens, 0: none */
+} qlayer;
+
+typedef struct {  /* the attention kernel and this step's arguments to it (CpuBackend) */
+    attend_fn fn;
+    const int64_t *rows;
+    const int32_t *kv_starts, *kv_indices, *seq_lens;
+    int64_t page_size;
+    float scale, softcap;
+} attention;
+
+/* x [n, hidden]: the embedded new tokens, updated in place to the last layer's residual;
+ * slots[r]: token r's pool row. Returns 0; -2 when scratch cannot be allocated; the
+ * attention kernel's own status otherwise. */
+int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const qlayer *layers, int64_t nlayers,
+                          int64_t hq, int64_t hkv, int64_t d, const float *cos, const float *sin,
+                          const int64_t *slots, const attention *att, int threads) {
+    const int64_t width = layers[0].qkv.rows, kv = hkv * d;
+    float *qkv = malloc(sizeof(float) * (size_t)(n * (width + 2 * hq * d)));
+    if (!qkv) return -2;
+    float *q = qkv + n * width, *out = q + n * hq * d;
+    int status = radixkv_native_layer(x, n, hidden, eps, NULL, NULL, NULL, NULL, NULL, layers[0].attn_norm,
+                                      &layers[0].qkv, layers[0].qkv_bias, hq + hkv, d, cos, sin, qkv, threads);
+    for (int64_t i = 0; i < nlayers && status == 0; i++) {
+        const qlayer *l = &layers[i], *next = i + 1 < nlayers ? &layers[i + 1] : NULL;
+        for (int64_t r = 0; r < n; r++) {
+            const float *row = qkv + r * width;
+            memcpy(q + r * hq * d, row, sizeof(float) * (size_t)(hq * d));
+            memcpy(l->k_cache + slots[r] * kv, row + hq * d, sizeof(float) * (size_t)kv);
+            memcpy(l->v_cache + slots[r] * kv, row + hq * d + kv, sizeof(float) * (size_t)kv);
+        }
+        status = att->fn(q, l->k_cache, l->v_cache, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, att->rows,
+                         att->kv_starts, att->kv_indices, att->seq_lens, out, NULL, NULL, n, hq, hkv, d,
+                         att->page_size, att->scale, l->window, att->softcap, 0);
+        if (status == 0)
+            status = radixkv_native_layer(x, n, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
+                                          next ? next->attn_norm : NULL, next ? &next->qkv : NULL,
+                                          next ? next->qkv_bias : NULL, hq + hkv, d, cos, sin, qkv, threads);
+    }
+    free(qkv);
+    return status;
+}

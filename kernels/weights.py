@@ -52,6 +52,22 @@ class QMat(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("w", ctypes.c_void_p)]
 
 
+class QLayer(ctypes.Structure):
+    """One layer of a native model over a float32 pool (``qlayer`` in ``qmatmul.c``)."""
+
+    _fields_ = [("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat), ("attn_norm", ctypes.c_void_p),
+                ("mlp_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]  # fmt: skip
+
+
+class Attention(ctypes.Structure):
+    """The CPU attention kernel and a step's arguments to it (``attention`` in ``qmatmul.c``)."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("kv_starts", ctypes.c_void_p),
+                ("kv_indices", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("page_size", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]  # fmt: skip
+
+
 _lock = threading.Lock()
 _libraries: dict[bool, ctypes.CDLL] = {}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -89,6 +105,9 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _i64, _i64,
                                                  _ptr, _ptr, _ptr, _int]  # fmt: skip
             lib.radixkv_native_layer.restype = _int
+            lib.radixkv_native_decode.argtypes = [_ptr, _i64, _i64, f, ctypes.POINTER(QLayer), _i64, _i64, _i64, _i64,
+                                                  _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _int]  # fmt: skip
+            lib.radixkv_native_decode.restype = _int
             _libraries[portable] = lib
         return _libraries[portable]
 
@@ -276,3 +295,20 @@ class Steps:
         if status != 0:
             raise MemoryError("the native layer could not allocate its scratch buffers")
         return qkv
+
+    def native_decode(self, x: torch.Tensor, layers: ctypes.Array, eps: float, heads: tuple[int, int, int],
+                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, attention: Attention) -> None:
+        """Every layer of a decode step in one call (``x``, the embedded tokens ``[n,
+        hidden]``, becomes the last layer's residual in place): per layer the new K/V rows
+        written into the float32 pool at ``slots`` (``[n]`` int64), ``attention`` (the CPU
+        kernel, ``CpuBackend.decode_kernel``), and ``native_layer``'s stretch. ``layers``:
+        ``QLayer`` per layer; ``heads``: (query heads, KV heads, head dim)."""
+        n, hidden = x.shape
+        hq, hkv, d = heads
+        status = self._lib.radixkv_native_decode(x.data_ptr(), n, hidden, eps, layers, len(layers), hq, hkv, d,
+                                                 cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                                 ctypes.byref(attention), torch.get_num_threads())  # fmt: skip
+        if status == -2:
+            raise MemoryError("the native decode step could not allocate its scratch buffers")
+        if status != 0:
+            raise RuntimeError(f"the cpu decode attention failed (status {status})")

@@ -217,29 +217,35 @@ def all_logits(model, ids):
     return model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 16), pool, get_backend("torch"), all_logits=True)
 
 
-def test_a_decode_layer_in_one_call_gives_the_bits_of_the_step_by_step_loop(native):
-    """Decode batches run each layer's stretch between attentions in one C call; the
-    step-by-step loop (what decode rows of a mixed batch take) must give the same bits."""
+@pytest.mark.parametrize("backend, kv_dtype", [("auto", "fp32"), ("auto", "int8"), ("torch", "fp32")])
+def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, backend, kv_dtype, monkeypatch):
+    """Decode batches of a native model skip the Python layer loop: over float32 pages with
+    the CPU attention kernel the whole step is one C call, else one C call per layer's
+    stretch between attentions. Both must give the bits of the step-by-step loop (what
+    decode rows of a mixed batch take): logits and the KV written."""
     c = native.config
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (20, 33, 7)]
-    runs = []
-    assert native._one_call_layers  # the embedded model takes the one-call path
+    runs, whole_steps = [], []
+    steps = native._steps
+    monkeypatch.setattr(steps, "native_decode", lambda *a, f=steps.native_decode: whole_steps.append(1) or f(*a))
+    assert native._one_call_layers  # the embedded model takes the one-call paths
     for one_call in (True, False):
         native._one_call_layers = one_call
-        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=16))
+        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, kv_dtype=kv_dtype, num_pages=16))
         tables = [pool.alloc(4) for _ in prompts]
         native.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool)
         tokens, logits = [1, 2, 3], []
         for step in range(3):
             seqs = [SeqInput([tok], len(p) + step, t) for tok, p, t in zip(tokens, prompts, tables)]
-            logits.append(native.forward(ForwardBatch.build(seqs, 16), pool, get_backend("auto")))
+            logits.append(native.forward(ForwardBatch.build(seqs, 16), pool, get_backend(backend)))
             tokens = logits[-1].argmax(-1).tolist()
-        runs.append((torch.stack(logits), pool.view(c.num_layers - 1).k.clone()))
+        runs.append((torch.stack(logits), pool.read_pages(np.concatenate(tables))))
         pool.decref(np.concatenate(tables))
         pool.check_integrity()
         native._one_call_layers = True
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert len(whole_steps) == (3 if (backend, kv_dtype) == ("auto", "fp32") else 0)
+    assert torch.equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
 
 
 def test_native_logits_stay_within_the_stated_kl_of_fp32(native, exact):

@@ -18,6 +18,8 @@ same RoPE tables), so results match it to float rounding.
 
 from __future__ import annotations
 
+import ctypes
+import weakref
 from dataclasses import dataclass, fields
 from functools import cache, partial
 from typing import Callable
@@ -30,7 +32,7 @@ from radixkv.model.batch import ForwardBatch
 from radixkv.kernels import AttentionBackend, get_backend
 from radixkv.model.config import ModelConfig
 
-from radixkv.kernels.weights import PackedMatrix, Steps, load_library, small_matmul  # the C library builds on first use
+from radixkv.kernels.weights import Attention, PackedMatrix, QLayer, Steps, load_library, small_matmul  # the C library builds on first use
 
 
 class Stacked:
@@ -100,6 +102,7 @@ class LlamaModel:
         self._act = _ACTIVATIONS[config.hidden_act]
         self._steps = Steps() if self.native else None  # a native model's elementwise steps, in C
         # decode batches of a plain native model run each layer's stretch between attentions in one C call
+        self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_decode)
         self._one_call_layers = self.native and config.architecture in ("llama", "mistral", "qwen2") and all(
             isinstance(getattr(w, n), PackedMatrix) for w in layers for n in ("qkv", "o", "gate_up", "down"))
 
@@ -203,8 +206,8 @@ class LlamaModel:
             x = x * torch.tensor(cfg.embed_scale).to(x.dtype)
         head = _linear
         if self.native and self._one_call_layers and all(n == 1 for n in batch.qo_lens):
-            mm = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
             x = self._native_decode_layers(x, batch, pool, backend, cos, sin)
+            head = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
         elif self.native:
             mm = _routed_linear(batch)
             x = self._native_layers(x, batch, pool, backend, cos, sin, mm)
@@ -294,11 +297,19 @@ class LlamaModel:
         does the output projection, residual, MLP norm, MLP, residual, the next layer's norm,
         q/k/v projection and RoPE, with the same arithmetic, bit for bit, as the step-by-step
         loop on the kernel path; it saves a decode step the Python and thread wake-ups of
-        seven calls per layer."""
+        seven calls per layer. Over float32 pages with the CPU attention kernel
+        (``CpuBackend.decode_kernel``) the whole step is one call (``Steps.native_decode``:
+        the K/V stores and that kernel too, with the same arguments, so the same bits)."""
         cfg, steps, layers = self.config, self._steps, self.layers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
         x = x.contiguous()
+        kernel = backend.decode_kernel(pool.view(0)) if hasattr(backend, "decode_kernel") else None
+        if kernel is not None:  # the CPU attention kernel over float32 pages: the whole step in one call
+            attention = Attention(*kernel, pool.page_size, d**-0.5, 0.0)
+            steps.native_decode(x, self._described_layers(pool), cfg.rms_norm_eps, (hq, hkv, d), cos, sin,
+                                batch.out_slots.contiguous(), attention)  # fmt: skip
+            return x
         args = (cfg.rms_norm_eps, hq + hkv, d, cos, sin)
         qkv = steps.native_layer(x, None, None, layers[0], *args)
         for i, w in enumerate(layers):
@@ -309,6 +320,22 @@ class LlamaModel:
             o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.window(i)).reshape(-1, hq * d).contiguous()
             qkv = steps.native_layer(x, o, w, layers[i + 1] if i + 1 < len(layers) else None, *args)
         return x
+
+    def _described_layers(self, pool: KVPool) -> ctypes.Array:
+        """The layers with ``pool``'s float32 pages as ``Steps.native_decode`` takes them
+        (kept for the last pool: its tensors live as long as it does)."""
+        cached = self._described
+        if cached is not None and cached[0]() is pool:
+            return cached[1]
+        layers = (QLayer * len(self.layers))()
+        for i, w in enumerate(self.layers):
+            view = pool.view(i)
+            layers[i] = QLayer(w.qkv.described, w.o.described, w.gate_up.described, w.down.described,
+                               w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(),
+                               None if w.qkv_bias is None else w.qkv_bias.data_ptr(), view.k.data_ptr(),
+                               view.v.data_ptr(), self.config.window(i) or 0)  # fmt: skip
+        self._described = (weakref.ref(pool), layers)
+        return layers
 
     def _rope(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for ``positions``: [T, 1, R] each (R: the rotary dims), in the
