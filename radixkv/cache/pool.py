@@ -20,6 +20,7 @@ Page ids are ``np.int32`` arrays everywhere: they fit FlashInfer's int32
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,46 @@ from radixkv.errors import IntegrityError, OutOfPagesError
 from radixkv.kernels import pages as page_loops
 
 MAX_PAGES = 2**31 - 1  # page ids must fit int32
+
+
+def available_memory(device: str | torch.device = "cpu") -> int | None:
+    """Bytes this process could still take on ``device``: on the CPU the kernel's
+    ``MemAvailable``, lowered to what a cgroup (v2) memory limit leaves; on CUDA the
+    device's free memory. None when it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    free = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    except (OSError, ValueError):
+        pass
+    return max(free, 0)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero tensor. On the CPU its memory comes from calloc, which the system commits
+    page by page as it is first written: a pool sized for a share of free memory costs
+    resident memory only as the cache fills (torch.zeros would write every byte now)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 PageIds = np.ndarray  # 1-D np.int32
 _ONE = np.int32(1)  # ufunc.at takes a fast path when the operand's dtype matches
@@ -319,14 +360,14 @@ class KVPool(PageAllocator):
         shape = (self.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
         layers, device = range(config.num_layers), config.device
         codes = (*shape[:3], shape[3] // 2) if fmt.paged else shape  # paged: two 4-bit codes a byte
-        self.k = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
-        self.v = [torch.zeros(codes, dtype=fmt.dtype, device=device) for _ in layers]
+        self.k = [_zeros(codes, fmt.dtype, device) for _ in layers]
+        self.v = [_zeros(codes, fmt.dtype, device) for _ in layers]
         self.k_params = self.v_params = None
         if fmt.scale_dtype is not None:  # per (slot, KV head), beside the pages
             params = (*shape[:3], fmt.row_params)
             k_params = (shape[0], shape[2], shape[3], 2) if fmt.paged else params  # paged K: per channel of a page
-            self.k_params = [torch.zeros(k_params, dtype=fmt.scale_dtype, device=device) for _ in layers]
-            self.v_params = [torch.zeros(params, dtype=fmt.scale_dtype, device=device) for _ in layers]
+            self.k_params = [_zeros(k_params, fmt.scale_dtype, device) for _ in layers]
+            self.v_params = [_zeros(params, fmt.scale_dtype, device) for _ in layers]
         self.sealer = Sealer(self) if fmt.paged else None
         rows = (-1, config.num_kv_heads, codes[3])  # one slot's row (a paged format's packed codes)
         # index_copy_ has no CPU kernel for 8-bit floats: write their bytes

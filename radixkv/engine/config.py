@@ -15,6 +15,8 @@ from radixkv.validate import check_float, check_int, check_optional_int
 
 
 WEIGHTS = ("auto", "native", "fp32", "bf16", "fp16")
+DEFAULT_KV_MEMORY_SHARE = 0.25  # of the memory available after loading: the KV pool when no size is given
+MAX_KV_MEMORY_SHARE = 0.95
 DENSE_WEIGHTS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -22,14 +24,19 @@ DENSE_WEIGHTS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class EngineConfig:
     """Engine settings; the CLI's defaults come from here.
 
-    KV capacity: ``kv_cache_tokens`` (tokens) or ``memory_bytes`` (bytes), at most one;
-    neither means 1 GiB.
+    KV capacity: ``kv_cache_tokens`` (tokens), ``memory_bytes`` (bytes) or
+    ``kv_memory_share`` (that share of the memory still available once the weights are
+    loaded, like vLLM's ``gpu_memory_utilization``), at most one; none of them means
+    ``kv_memory_share`` = ``DEFAULT_KV_MEMORY_SHARE``. On the CPU the pool's memory is
+    committed as the cache fills it, so a large pool costs resident memory only as it is
+    used.
     """
 
     model: str = DEFAULT_MODEL
     page_size: int = 16
     kv_cache_tokens: int | None = None
     memory_bytes: int | None = None
+    kv_memory_share: float | None = None  # (0, 0.95]; None: DEFAULT_KV_MEMORY_SHARE unless a size is given
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
     # weights: native (a GGUF's quantized blocks read in place, float32 activations, CPU), fp32 / bf16 /
@@ -67,13 +74,28 @@ class EngineConfig:
     # (gloo on the CPU, NCCL on CUDA); must divide the model's query and KV heads
     tp: int = 1
 
+    def kv_pool_bytes(self, available: int | None) -> int | None:
+        """The pool's byte budget when no token count is given: ``memory_bytes``, else
+        the share (``kv_memory_share`` or its default) of ``available`` bytes (1 GiB when
+        that cannot be told); None with ``kv_cache_tokens``."""
+        if self.kv_cache_tokens is not None:
+            return None
+        if self.memory_bytes is not None:
+            return self.memory_bytes
+        if available is None:
+            return 1 << 30
+        return int((self.kv_memory_share or DEFAULT_KV_MEMORY_SHARE) * available)
+
     def __post_init__(self):
         for name in ("page_size", "max_batch_tokens", "max_running", "kv_store_bytes", "tp"):
             check_int(name, getattr(self, name), 1)
         for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size", "host_cache_bytes", "context_length"):
             check_optional_int(name, getattr(self, name), 1)
-        if self.kv_cache_tokens is not None and self.memory_bytes is not None:
-            raise ValueError("give at most one of kv_cache_tokens and memory_bytes")
+        sizes = [n for n in ("kv_cache_tokens", "memory_bytes", "kv_memory_share") if getattr(self, n) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give at most one of kv_cache_tokens, memory_bytes and kv_memory_share (got {', '.join(sizes)})")
+        if self.kv_memory_share is not None:
+            check_float("kv_memory_share", self.kv_memory_share, 0.0, MAX_KV_MEMORY_SHARE, lo_open=True)
         check_float("max_pinned_share", self.max_pinned_share, 0.0, 1.0)
         for name in ("hint_ttl", "session_ttl"):
             check_float(name, getattr(self, name), 0.0, MAX_TTL, lo_open=True)

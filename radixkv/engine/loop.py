@@ -29,7 +29,7 @@ from radixkv.cache.compress import resolve_policy
 from radixkv.cache.events import KVEventRecorder, ZmqEventPublisher, hash_of, tree_blocks
 from radixkv.cache.formats import load_kv_scales
 from radixkv.cache.manager import FLUSH_TIERS, KVCacheManager, SeqKV
-from radixkv.cache.pool import KVPool, PoolConfig
+from radixkv.cache.pool import KVPool, PoolConfig, available_memory
 from radixkv.cache.radix import RadixCache
 from radixkv.cache.store import PageStore, open_store
 from radixkv.cache.tiers import HostTier, KVTiers, layout, tokenizer_fingerprint, weights_fingerprint
@@ -74,10 +74,12 @@ class EngineLoop:
                         page_size=cfg.page_size, kv_dtype=cfg.kv_format, device=cfg.device)  # fmt: skip
         if cfg.kv_scales is not None:  # read once, here: nothing ever computes or rewrites them
             pool_cfg["kv_scales"] = load_kv_scales(cfg.kv_scales, mc.num_layers, mc.num_kv_heads, cfg.kv_format.name)
+        # with a share: of the memory left with the weights loaded (available_memory: None when unknown)
+        self.available_memory = available_memory(cfg.device) if cfg.kv_cache_tokens is None else None
         if cfg.kv_cache_tokens is not None:
             pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
         else:
-            pool_cfg["memory_bytes"] = cfg.memory_bytes or 1 << 30
+            pool_cfg["memory_bytes"] = cfg.kv_pool_bytes(self.available_memory)
         pool_config = PoolConfig(**pool_cfg)  # the whole model's
         self.tp = None  # with tp > 1: rank 0 of the model (radixkv.model.tp); workers start last
         if cfg.tp > 1:

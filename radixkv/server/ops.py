@@ -193,6 +193,8 @@ def preflight(engine_config, server_config) -> Plan:
     device, names (backend, policy), files, the port and the pool's size. Raises
     ValueError with a one-line message; returns the Plan (its warnings included)."""
     from radixkv.cache.policy import POLICIES
+    from radixkv.cache.pool import available_memory
+    from radixkv.engine.config import DEFAULT_KV_MEMORY_SHARE
     from radixkv.kernels import BACKENDS
     from radixkv.model.loader import load_config
     from radixkv.model.registry import resolve_model
@@ -225,11 +227,12 @@ def preflight(engine_config, server_config) -> Plan:
     per_page = e.kv_format.bytes_per_page(mc.num_layers, e.page_size, mc.num_kv_heads, mc.head_dim)
     if e.kv_cache_tokens is not None:
         pages = ceil_div(e.kv_cache_tokens, e.page_size)
-    else:
-        budget = e.memory_bytes or 1 << 30
+    else:  # a share is of what the weights leave: estimated here from what is available before they load
+        budget = e.kv_pool_bytes(available_memory(e.device))
         if budget < per_page:
-            raise ValueError(f"--memory-bytes {budget} does not hold one KV page ({per_page} bytes at page size "
-                             f"{e.page_size})")  # fmt: skip
+            given = f"--memory-bytes {budget}" if e.memory_bytes is not None else \
+                f"--kv-memory-share {e.kv_memory_share or DEFAULT_KV_MEMORY_SHARE} ({_size(budget)})"
+            raise ValueError(f"{given} does not hold one KV page ({per_page} bytes at page size {e.page_size})")
         from radixkv.cache.pool import MAX_PAGES
 
         pages = min(budget // per_page, MAX_PAGES)
@@ -276,7 +279,8 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         f"weights: {_weights_line(engine.model.weights_summary())}; activations {cfg.dtype}; KV dtype: "
         f"{pool.format.name}; device: {cfg.device}",
         f"KV pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens, "
-        f"{_size(pool.num_pages * pool.config.bytes_per_page)} ({_size(pool.config.bytes_per_page)} a page)",
+        f"{_size(pool.num_pages * pool.config.bytes_per_page)} ({_size(pool.config.bytes_per_page)} a page)"
+        f"{_share_note(engine)}",
         f"page size: {pool.page_size}; prefix cache: {cache}{'; tiers: ' + ', '.join(tiers) if tiers else ''}",
         f"attention backend: {backend} (asked: {cfg.attention_backend})",
         f"scheduler: max batch tokens {cfg.max_batch_tokens}, max running {cfg.max_running}, chunked prefill "
@@ -284,6 +288,16 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         f"loaded in {load_seconds:.2f} s",
         f"listening on http://{host}:{port}",
     ]
+
+
+def _share_note(engine) -> str:
+    """``; 25% of 20.1 GiB available`` when the pool was sized by a share of memory."""
+    from radixkv.engine.config import DEFAULT_KV_MEMORY_SHARE
+
+    cfg, free = engine.config, engine.loop.available_memory
+    if cfg.kv_cache_tokens is not None or cfg.memory_bytes is not None or free is None:
+        return ""
+    return f"; {100 * (cfg.kv_memory_share or DEFAULT_KV_MEMORY_SHARE):g}% of {_size(free)} available"
 
 
 def _weights_line(summary: dict) -> str:

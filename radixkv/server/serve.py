@@ -22,8 +22,10 @@ from radixkv.server.app import ServerConfig
 HELP = {
     "model": "registry name (see README), GGUF file or HF model directory",
     "page_size": "tokens per KV page",
-    "kv_cache_tokens": "KV pool size in tokens (default: a 1 GiB pool)",
+    "kv_cache_tokens": "KV pool size in tokens (default: --kv-memory-share of the memory available)",
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
+    "kv_memory_share": "KV pool size as a share (0, 0.95] of the memory available once the weights are loaded "
+                       "(default 0.25 when no size is given; on the CPU committed as the cache fills)",
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
     "weights": "native: a quantized GGUF's blocks read as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
