@@ -34,13 +34,24 @@ def llama_cpp():
     return llamacpp_backend.LlamaCppServer()
 
 
+def llama_server():
+    from benchmarks.peers import llamaserver_backend
+
+    reason = llamaserver_backend.unavailable()
+    if reason:
+        print(f"[llama-server skipped: {reason}]")
+        return None
+    return llamaserver_backend.LlamaServer()
+
+
 def versions() -> dict:
-    from benchmarks.peers import llamacpp_backend
+    from benchmarks.peers import llamacpp_backend, llamaserver_backend
 
-    return {"llama_cpp_python": None if llamacpp_backend.unavailable() else llamacpp_backend.version()}
+    return {"llama_cpp_python": None if llamacpp_backend.unavailable() else llamacpp_backend.version(),
+            "llama_server": None if llamaserver_backend.unavailable() else llamaserver_backend.version()}
 
 
-PEERS = {"transformers": transformers, "llama.cpp": llama_cpp}
+PEERS = {"transformers": transformers, "llama.cpp": llama_cpp, "llama-server": llama_server}
 
 
 def main(argv=None) -> int:

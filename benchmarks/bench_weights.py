@@ -17,6 +17,9 @@ tied to the head), ``--threads`` threads everywhere:
   (``benchmarks/peers/setup_llamacpp_bin.sh``); its peak RSS (which includes its KV cache
   of ``-c`` tokens at f16, so the comparison favours it).
 
+Then greedy agreement on 12 chat prompts (up to 64 tokens): radixkv native and fp32
+against llama-server on the same GGUF, and native against fp32.
+
     .venv/bin/python benchmarks/bench_weights.py [--rounds 3] [--threads 2] [--json benchmarks/out/bench_weights.json]
 """
 
@@ -109,6 +112,53 @@ def llamacpp(gguf: Path, threads: int) -> dict:
     return result
 
 
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 7 times 8?", "Who wrote Hamlet?",
+             "What is the boiling point of water?", "Name a planet.", "What language is spoken in Brazil?",
+             "What is the largest ocean?", "What do bees make?", "Explain photosynthesis in two sentences.",
+             "Write a haiku about the sea.", "List three uses of a paperclip."]  # fmt: skip
+AGREE_TOKENS = 64
+
+
+def agreement(threads: int) -> dict:
+    """Greedy tokens of radixkv (native and fp32) against llama-server on the same GGUF,
+    and native against fp32: the chat prompts above, up to ``AGREE_TOKENS`` tokens each
+    (to EOS). Per pair: the prompts whose continuations are equal, and the mean index of
+    the first differing token (a continuation's length where none differs). llama.cpp
+    rounds activations to 8 bits, which moves near-tied greedy choices."""
+    from benchmarks.peers.llamaserver_backend import LlamaServer, unavailable
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.sampling import SamplingParams
+
+    if unavailable():
+        return {}
+    server = LlamaServer(threads)
+    try:
+        http, tok = server.backend._http, server.backend.tokenizer
+        prompts = [tok.encode(server.backend.render_chat([{"role": "user", "content": q}], True), False)
+                   for q in QUESTIONS]  # fmt: skip
+        eos = server.backend.eos_token_ids
+        theirs = []
+        for p in prompts:
+            body = {"prompt": p, "n_predict": AGREE_TOKENS, "temperature": 0.0, "top_k": 1, "return_tokens": True,
+                    "cache_prompt": False}  # fmt: skip
+            theirs.append([t for t in http.post("/completion", json=body).json()["tokens"] if t not in eos])
+    finally:
+        server.close()
+    runs = {"llama.cpp": theirs}
+    for weights in ("native", "fp32"):
+        with Engine(weights=weights, kv_cache_tokens=8192) as engine:
+            greedy = SamplingParams(temperature=0, max_new_tokens=AGREE_TOKENS)
+            runs[f"radixkv {weights}"] = [[t for t in engine.generate(p, greedy).outputs[0].token_ids if t not in eos]
+                                          for p in prompts]  # fmt: skip
+    out = {}
+    for a, b in (("radixkv native", "llama.cpp"), ("radixkv fp32", "llama.cpp"), ("radixkv native", "radixkv fp32")):
+        firsts = [next((i for i, (x, y) in enumerate(zip(xs, ys)) if x != y), min(len(xs), len(ys)))
+                  for xs, ys in zip(runs[a], runs[b])]  # fmt: skip
+        out[f"{a} vs {b}"] = {"equal": sum(x == y for x, y in zip(runs[a], runs[b])), "prompts": len(prompts),
+                              "mean_first_difference": statistics.mean(firsts), "first_differences": firsts}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -159,7 +209,14 @@ def main() -> None:
         goal = TARGETS[k]
         met = v <= goal if k.startswith("rss") else v >= goal
         print(f"{k:<26}{v:>10.2f}{goal:>8}  {'met' if met else 'MISSED'}")
+    agree = agreement(args.threads)
+    if agree:
+        print(f"\ngreedy agreement ({len(QUESTIONS)} chat prompts, up to {AGREE_TOKENS} tokens)")
+        for pair, a in agree.items():
+            print(f"{pair:<34} equal {a['equal']}/{a['prompts']}, first difference at token "
+                  f"{a['mean_first_difference']:.1f} on average ({a['first_differences']})")  # fmt: skip
     write_result(args.json, rows, ratios=ratios, targets=TARGETS, threads=args.threads, rounds=args.rounds,
+                 agreement=agree,
                  samples=samples, shapes={"prefill": PREFILL, "context": CONTEXT, "steps_b1": STEPS_B1,
                                           "batch": BATCH, "steps_b16": STEPS_B16})  # fmt: skip
 

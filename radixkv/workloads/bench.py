@@ -14,6 +14,9 @@ concurrently the way a program sends them):
                        source checkout)
     llama.cpp          llama-cpp-python's OpenAI server on the same GGUF, if installed
                        (bash benchmarks/peers/setup_llamacpp.sh); skipped with a notice if not
+    llama-server       llama.cpp's own server on the same GGUF: 8 parallel slots, continuous
+                       batching, prompt caching and --cache-reuse (benchmarks/peers/
+                       llamaserver_backend.py; bash benchmarks/peers/setup_llamacpp_bin.sh)
 
 Every generation is greedy with ``ignore_eos`` and a fixed ``max_tokens``, so each system
 produces the same number of output tokens. The server's prefix cache is flushed before
@@ -45,7 +48,7 @@ import numpy as np
 
 from radixkv import workloads as W
 
-GOALS = {"transformers": 5.0, "llama.cpp": 2.0}  # radixkv throughput multiple on shared-prefix workloads
+GOALS = {"transformers": 5.0, "llama.cpp": 2.0, "llama-server": 1.5}  # radixkv throughput multiple on shared-prefix workloads
 KV_CACHE_TOKENS = 65536
 
 
@@ -236,7 +239,8 @@ def run_all(scale: W.Scale, names: list[str], systems: dict[str, Callable], seed
             for w in workloads:
                 opened.reset()
                 print(f"[{system}] {w.name} ...", flush=True)
-                results.append(measure(w, system, opened.backend, system.startswith("radixkv")))
+                reports_cache = getattr(opened, "reports_cache", system.startswith("radixkv"))
+                results.append(measure(w, system, opened.backend, reports_cache))
         finally:
             opened.close()
     return results

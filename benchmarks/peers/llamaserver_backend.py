@@ -1,0 +1,134 @@
+"""llama.cpp's own ``llama-server`` as a benchmark peer: parallel slots, continuous
+batching and prompt caching, on the same GGUF file.
+
+The binary comes from ``bash benchmarks/peers/setup_llamacpp_bin.sh`` (the llama.cpp that
+llama-cpp-python's sdist vendors, built into ``.peers/llama.cpp-bin``). Settings, the
+ones a user serving several clients would pick: 2 threads, ``-np 8`` slots (one per
+client thread of the busiest workload) over one unified KV buffer of 65536 tokens
+(radixkv's pool in ``bench``), continuous batching and prompt caching (both on by
+default), ``--cache-reuse 256`` (reuse cached chunks of 256+ tokens through KV shifting)
+and its RAM prompt cache (default 8 GiB). Prompts go as token ids to ``/completion``
+and the generated ids come back (``return_tokens``), so programs continue from the exact
+ids; ``ignore_eos`` is the server's own. Branches of a fork are sent together, each on
+its own connection, so they run in parallel slots. Cached prompt tokens come from each
+response's ``timings.cache_n``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+BINARY = ROOT / ".peers" / "llama.cpp-bin" / "bin" / "llama-server"
+SLOTS, CONTEXT = 8, 65536
+
+
+def unavailable() -> str | None:
+    """Why the peer cannot run here, or None."""
+    if not BINARY.exists():
+        return "not built (bash benchmarks/peers/setup_llamacpp_bin.sh)"
+    return None
+
+
+def version() -> str:
+    out = subprocess.run([str(BINARY), "--version"], capture_output=True, text=True)
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    return lines[0].removeprefix("version: ") if lines else "?"
+
+
+class LlamaServer:
+    """The server process and a backend on it."""
+
+    reports_cache = True  # each response's timings.cache_n
+
+    def __init__(self, threads: int = 2):
+        from radixkv.model import resolve_model
+        from radixkv.server.process import launch
+
+        cmd = [str(BINARY), "-m", str(resolve_model().path), "-c", str(CONTEXT), "-np", str(SLOTS), "-kvu",
+               "-t", str(threads), "-tb", str(threads), "--cache-reuse", "256", "--no-webui"]  # fmt: skip
+        self.proc, url = launch(cmd, "/health", "llama-server")
+        self.backend = LlamaServerBackend(url)
+
+    def reset(self) -> None:
+        self.backend.erase_slots()
+
+    def close(self) -> None:
+        from radixkv.server.process import stop
+
+        self.backend.close()
+        stop(self.proc)
+
+
+class LlamaServerBackend(Backend):
+    def __init__(self, url: str):
+        import httpx
+
+        from radixkv.model import resolve_model
+        from radixkv.model.chat_template import ChatTemplate
+        from radixkv.model.tokenizer import Tokenizer
+
+        self.url = url
+        self._http = httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=4 * SLOTS))
+        self.tokenizer = Tokenizer.load(resolve_model())
+        self.template = ChatTemplate.from_tokenizer(self.tokenizer)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.max_context = CONTEXT // SLOTS
+        self._pool = ThreadPoolExecutor(SLOTS)
+
+    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def generate(self, prompts: list[list[int]], params: dict) -> list[CallResult]:
+        def one(p):
+            *_, last = self.stream(p, params)
+            return last
+
+        return list(self._pool.map(one, prompts)) if len(prompts) > 1 else [one(prompts[0])]
+
+    def stream(self, prompt: list[int], params: dict):
+        if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
+            raise ValueError("the llama-server peer runs greedy generation only")
+        body = {"prompt": prompt, "n_predict": params.get("max_new_tokens", 128), "temperature": 0.0, "top_k": 1,
+                "stream": True, "cache_prompt": True, "return_tokens": True,
+                "ignore_eos": bool(params.get("ignore_eos"))}  # fmt: skip
+        t0, ttft, ids, text, cached, reason = time.perf_counter(), None, [], [], 0, None
+        with self._http.stream("POST", "/completion", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise BackendError(f"llama-server answered {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                new = chunk.get("tokens") or []
+                if new and ttft is None:
+                    ttft = time.perf_counter() - t0
+                ids += new
+                text.append(chunk.get("content") or "")
+                if new or chunk.get("content"):
+                    yield Delta(chunk.get("content") or "", list(new))
+                if chunk.get("stop"):
+                    cached = int((chunk.get("timings") or {}).get("cache_n") or 0)
+                    reason = "length" if chunk.get("stop_type") == "limit" else "stop"
+        yield CallResult("".join(text), ids, len(prompt), cached, reason, None, ttft)
+
+    def erase_slots(self) -> None:
+        """Forget every slot's KV (the benchmark flushes caches between workloads)."""
+        slots = self._http.get("/slots")
+        if slots.status_code == 200:
+            for slot in slots.json():
+                self._http.post(f"/slots/{slot['id']}?action=erase")
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self._http.close()
