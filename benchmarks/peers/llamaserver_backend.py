@@ -7,7 +7,7 @@ ones a user serving several clients would pick: 2 threads, ``-np 8`` slots (one 
 client thread of the busiest workload) over one unified KV buffer of 65536 tokens
 (radixkv's pool in ``bench``), continuous batching and prompt caching (both on by
 default), ``--cache-reuse 256`` (reuse cached chunks of 256+ tokens through KV shifting)
-and its RAM prompt cache (default 8 GiB). Prompts go as token ids to ``/completion``
+and its RAM prompt cache (default 8 GiB); slots are erased between workloads. Prompts go as token ids to ``/completion``
 and the generated ids come back (``return_tokens``), so programs continue from the exact
 ids; ``ignore_eos`` is the server's own. Branches of a fork are sent together, each on
 its own connection, so they run in parallel slots. Cached prompt tokens come from each
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,8 +52,10 @@ class LlamaServer:
         from radixkv.model import resolve_model
         from radixkv.server.process import launch
 
+        self._slots_dir = tempfile.TemporaryDirectory(prefix="llama-server-slots-")  # lets /slots erase
         cmd = [str(BINARY), "-m", str(resolve_model().path), "-c", str(CONTEXT), "-np", str(SLOTS), "-kvu",
-               "-t", str(threads), "-tb", str(threads), "--cache-reuse", "256", "--no-webui"]  # fmt: skip
+               "-t", str(threads), "-tb", str(threads), "--cache-reuse", "256", "--no-webui",
+               "--slot-save-path", self._slots_dir.name]  # fmt: skip
         self.proc, url = launch(cmd, "/health", "llama-server")
         self.backend = LlamaServerBackend(url)
 
@@ -64,6 +67,7 @@ class LlamaServer:
 
         self.backend.close()
         stop(self.proc)
+        self._slots_dir.cleanup()
 
 
 class LlamaServerBackend(Backend):
@@ -96,13 +100,22 @@ class LlamaServerBackend(Backend):
         return list(self._pool.map(one, prompts)) if len(prompts) > 1 else [one(prompts[0])]
 
     def stream(self, prompt: list[int], params: dict):
+        import httpx
+
         if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
             raise ValueError("the llama-server peer runs greedy generation only")
         body = {"prompt": prompt, "n_predict": params.get("max_new_tokens", 128), "temperature": 0.0, "top_k": 1,
                 "stream": True, "cache_prompt": True, "return_tokens": True,
                 "ignore_eos": bool(params.get("ignore_eos"))}  # fmt: skip
         t0, ttft, ids, text, cached, reason = time.perf_counter(), None, [], [], 0, None
-        with self._http.stream("POST", "/completion", json=body) as r:
+        for attempt in range(3):  # a kept-alive connection the server closed meanwhile: send it again
+            try:
+                r = self._http.send(self._http.build_request("POST", "/completion", json=body), stream=True)
+                break
+            except httpx.RemoteProtocolError:
+                if attempt == 2:
+                    raise
+        try:
             if r.status_code != 200:
                 r.read()
                 raise BackendError(f"llama-server answered {r.status_code}: {r.text[:300]}")
@@ -120,14 +133,17 @@ class LlamaServerBackend(Backend):
                 if chunk.get("stop"):
                     cached = int((chunk.get("timings") or {}).get("cache_n") or 0)
                     reason = "length" if chunk.get("stop_type") == "limit" else "stop"
+        finally:
+            r.close()
         yield CallResult("".join(text), ids, len(prompt), cached, reason, None, ttft)
 
     def erase_slots(self) -> None:
-        """Forget every slot's KV (the benchmark flushes caches between workloads)."""
-        slots = self._http.get("/slots")
-        if slots.status_code == 200:
-            for slot in slots.json():
-                self._http.post(f"/slots/{slot['id']}?action=erase")
+        """Forget every slot's KV (the benchmark flushes caches between workloads; its RAM
+        prompt cache has no flush, and holds other workloads' prefixes only)."""
+        for slot in self._http.get("/slots").json():
+            r = self._http.post(f"/slots/{slot['id']}?action=erase")
+            if r.status_code != 200:
+                raise BackendError(f"llama-server did not erase slot {slot['id']}: {r.status_code} {r.text[:200]}")
 
     def close(self) -> None:
         self._pool.shutdown()
