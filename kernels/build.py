@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -43,13 +44,21 @@ def cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def local_includes(source: Path) -> list[Path]:
+    """The headers beside ``source`` that it includes (``#include "NAME"``): part of
+    what a build depends on (one that is missing fails the build, with the compiler's
+    message)."""
+    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source.read_bytes(), re.M)
+    return [h for h in (source.parent / n.decode() for n in names) if h.is_file()]
+
+
 def build(name: str, source: Path, flags: tuple[str, ...], depends_on: tuple[str, ...] = (),
           libs: tuple[str, ...] = ()) -> Path:  # fmt: skip
     """The shared object ``NAME-HASH.so`` compiled from ``source`` with ``flags`` (built
-    now unless cached). Raises ImportError without a compiler or when the build fails (leaving no
+    now unless cached; keyed by the source and its local includes too). Raises ImportError without a compiler or when the build fails (leaving no
     partial file); OSError for an unwritable cache directory."""
     cc = compiler()
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in local_includes(source))
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except subprocess.SubprocessError as e:

@@ -5,9 +5,10 @@
  *
  *   y[n, rows] = x[n, cols] . W[rows, cols]^T
  *
- * W is a GGUF tensor's data as the file holds it: row r is cols / QK blocks of the type's
- * bytes, one after another. Nothing is expanded to floats beforehand: each product reads
- * the packed blocks, so a decode step moves 4.5 to 8.5 bits per weight instead of 32.
+ * W is a GGUF tensor's data, every byte as the file holds it: row r is cols / QK blocks of
+ * the type's bytes (for the 32-value types rearranged within the row: the split layout,
+ * below). Nothing is expanded to floats beforehand: each product reads the packed blocks,
+ * so a decode step moves 4.5 to 8.5 bits per weight instead of 32.
  *
  * Activations are rounded first, per token and block of 32, to 16-bit codes with one
  * float scale (amax / 32767), so that block dot products run on integers (AVX2: pmovzx
@@ -35,7 +36,7 @@
  *   Q5_K [d, dmin, scales[12], qh[32], qs[128]]   as Q4_K, plus bit 2 g' (low group) or
  *        2 g' + 1 (high group) of qh[l] as the fifth bit
  *   Q6_K [ql[128], qh[64], scales[16] int8, d]    256 values: 16 groups of 16, value =
- *        d sc (q - 32), q = 4 bits of ql | 2 bits of qh << 4 (see dequant_q6_k)
+ *        d sc (q - 32), q = 4 bits of ql | 2 bits of qh << 4 (see dequant_block)
  */
 
 #include <math.h>
@@ -49,13 +50,9 @@
 #define USE_AVX2 1
 #endif
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+#include "vexp.h"  /* exp_nonpositive, exp8_nonpositive (shared with cpu_decode.c) */
 
-typedef struct {  /* one activation block of 32 */
-    float d;        /* scale: value = d * q */
-    float s;        /* d * sum(q) */
-    int16_t q[32];  /* codes, |q| <= 32767 */
-} xblock;
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
 static inline float half(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -257,8 +254,7 @@ static void dequant_block(int type, const uint8_t *b, float *y) {
 /* ---- activations ----
  *
  * A token's rounded activations: codes q[32 i + j] and, per block i, its scale d[i] and
- * s[i] = d[i] * sum(codes of block i). Arrays are padded with zero blocks to a multiple of 8
- * (the split dot reads eight blocks' scales at a time). */
+ * s[i] = d[i] * sum(codes of block i). */
 typedef struct {
     const int16_t *q;
     const float *d, *s;
@@ -825,37 +821,24 @@ static __attribute__((noinline)) void add_rms_norm_row(float *xr, const float *a
     for (int64_t j = 0; j < d; j++) o[j] = w[j] * (xr[j] * inv);
 }
 
-#ifdef USE_AVX2
-/* e^x, eight lanes (within 2 ulp of expf): x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes'
- * degree-6 polynomial, times 2^n through the exponent bits; x clamped to e^x's finite range. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
+/* silu(g) u = g sigmoid(g) u, the sigmoid from t = e^-|g| (never overflows): 1 / (1 + t)
+ * for g >= 0, t / (1 + t) below. */
 static __attribute__((noinline)) void silu_mul_row(const float *g, int64_t inter, float *o) {
     const float *u = g + inter;
     int64_t j = 0;
 #ifdef USE_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (; j + 8 <= inter; j += 8) {
-        __m256 gv = _mm256_loadu_ps(g + j), e = exp8(_mm256_sub_ps(zero, gv));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+        __m256 gv = _mm256_loadu_ps(g + j), t = exp8_nonpositive(_mm256_or_ps(gv, sign));  /* e^-|g| */
+        __m256 num = _mm256_blendv_ps(one, t, gv);  /* t where g's sign bit is set */
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(_mm256_mul_ps(gv, num), _mm256_add_ps(one, t)),
+                                              _mm256_loadu_ps(u + j)));
     }
 #endif
-    for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    for (; j < inter; j++) {
+        float t = exp_nonpositive(-fabsf(g[j]));
+        o[j] = g[j] * (g[j] < 0.0f ? t : 1.0f) / (1.0f + t) * u[j];
+    }
 }
 
 static __attribute__((noinline)) void rope_row(float *x, int64_t heads, int64_t d, const float *c, const float *s) {

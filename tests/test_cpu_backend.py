@@ -293,10 +293,16 @@ def test_the_build_is_cached_by_source(fresh_build, monkeypatch):
     assert sorted(fresh_build.glob("cpu_decode-*.so")) == built
     changed = fresh_build / "changed.c"
     changed.write_text(cpu_backend.SOURCE.read_text() + "\n/* a change */\n")
+    header = fresh_build / "vexp.h"  # the source's local include, beside it
+    header.write_text(cpu_backend.SOURCE.with_name("vexp.h").read_text())
     monkeypatch.setattr(cpu_backend, "SOURCE", changed)
     monkeypatch.setattr(cpu_backend, "_library", None)
     cpu_backend.load_library()
     assert len(list(fresh_build.glob("cpu_decode-*.so"))) == 2
+    header.write_text(header.read_text() + "\n/* a change to the header alone */\n")
+    monkeypatch.setattr(cpu_backend, "_library", None)
+    cpu_backend.load_library()
+    assert len(list(fresh_build.glob("cpu_decode-*.so"))) == 3
 
 
 @needs_compiler

@@ -43,6 +43,7 @@ def test_the_wheel_carries_what_bench_and_sim_need(tmp_path):
     (wheel,) = tmp_path.glob("radixkv-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("workloads/__init__.py", "workloads/programs.py", "workloads/recorder.py", "workloads/bench.py",
-                   "cache/manager.py", "model/batch.py", "validate.py", "kernels/cpu_decode.c"):  # fmt: skip
+                   "cache/manager.py", "model/batch.py", "validate.py", "kernels/cpu_decode.c", "kernels/qmatmul.c",
+                   "kernels/vexp.h"):  # fmt: skip
         assert f"radixkv/{module}" in names, module
     assert not any(n.startswith("benchmarks/") for n in names)

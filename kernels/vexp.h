@@ -1,0 +1,56 @@
+/* e^x for x <= 0, scalar and on eight AVX2 lanes: shared by cpu_decode.c (softmax after
+ * subtracting the max) and qmatmul.c (SwiGLU's sigmoid, from e^-|x|). Included by the C
+ * sources beside it; radixkv.kernels.build keys a build by the text of such includes too. */
+
+#ifndef RADIXKV_VEXP_H
+#define RADIXKV_VEXP_H
+
+#include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#ifndef INLINE
+#define INLINE static inline __attribute__((always_inline))
+#endif
+
+/* e^x for x <= 0, written so loops over it vectorize:
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' expf
+ * coefficients), 2^n put into the exponent bits. Within 2 ulp of expf; 0 below -87. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    __builtin_memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_nonpositive on 8 lanes */
+INLINE __m256 exp8_nonpositive(__m256 x) {
+    const __m256 round = _mm256_set1_ps(12582912.0f);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), round), round);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+#endif
