@@ -80,6 +80,11 @@ class AttentionBackend:
         layer's attention probabilities to ``mass`` (see the class docstring)."""
         raise NotImplementedError
 
+    def decode_kernel(self, kv) -> tuple[int, ...] | None:
+        """A C kernel a model may call itself for this plan's decode attention over ``kv``
+        (a layer's view), as ``CpuBackend`` offers one; None here: call ``forward``."""
+        return None
+
     def _observe(self, q, k, kv, scale, sliding_window, logit_softcap, skip: frozenset[int] = frozenset()) -> None:
         """Add this layer's attention probabilities to ``mass`` for every observed
         sequence but those in ``skip`` (whose mass the backend computes itself), from

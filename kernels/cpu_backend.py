@@ -83,6 +83,7 @@ class CpuBackend(TorchBackend):
 
     def __init__(self) -> None:
         self._lib = load_library()
+        self._kernel_address = ctypes.cast(self._lib.radixkv_paged_decode, ctypes.c_void_p).value  # decode_kernel's
 
     def plan(self, batch) -> None:
         super().plan(batch)
@@ -109,8 +110,7 @@ class CpuBackend(TorchBackend):
             return None
         if kv.k_params is not None or kv.sealer is not None or _kernel_format(kv.k, kv) != _KV_FP32:
             return None
-        fn = ctypes.cast(self._lib.radixkv_paged_decode, ctypes.c_void_p).value
-        return (fn, self._q_rows.data_ptr(), self._kv_starts.data_ptr(), self._kv_indices.data_ptr(),
+        return (self._kernel_address, self._q_rows.data_ptr(), self._kv_starts.data_ptr(), self._kv_indices.data_ptr(),
                 self._decode_lens.data_ptr())  # fmt: skip
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):

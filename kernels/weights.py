@@ -142,10 +142,12 @@ class PackedMatrix:
     """A ``[rows, cols]`` weight matrix in a GGUF quantized type, read in place.
 
     ``data``: ``uint8 [rows, row_bytes]`` on the CPU, the blocks of row ``r`` in
-    ``data[r]``. Rows can be reordered or stacked (``stack``) without touching values.
+    ``data[r]`` (GGUF's order; with ``split``, already in the kernels' layout: another
+    PackedMatrix's ``data``). Rows can be reordered or stacked (``stack``) without
+    touching values.
     """
 
-    def __init__(self, type_id: int, data: torch.Tensor, cols: int, portable: bool = False):
+    def __init__(self, type_id: int, data: torch.Tensor, cols: int, portable: bool = False, split: bool = False):
         expected = row_bytes(type_id, cols)
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != expected:
             raise ValueError(f"{TYPES[type_id][0]} data for {cols} columns must be uint8 [rows, {expected}], "
@@ -157,7 +159,7 @@ class PackedMatrix:
         self.cols = cols
         self.shape = (data.shape[0], cols)
         self._lib = load_library(portable)
-        self.data = self._repack(data.contiguous(), to_split=True)
+        self.data = data.contiguous() if split else self._repack(data.contiguous(), to_split=True)
         self.described = QMat(type_id, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
 
     def _repack(self, data: torch.Tensor, to_split: bool) -> torch.Tensor:
@@ -185,7 +187,7 @@ class PackedMatrix:
         first = parts[0]
         if any(p.type_id != first.type_id or p.cols != first.cols for p in parts):
             return None
-        return PackedMatrix(first.type_id, torch.cat([p.blocks() for p in parts]), first.cols, first.portable)
+        return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable, split=True)
 
     def linear(self, x: torch.Tensor, threads: int | None = None, dense: bool | None = None) -> torch.Tensor:
         """``x @ W.T`` for float32 ``x [..., cols]``: float32 ``[..., rows]``.
@@ -280,17 +282,19 @@ class Steps:
         bit for bit, as ``PackedMatrix.linear`` and the steps above one by one. ``layer``,
         ``next_layer``: ``LayerWeights`` whose matrices are ``PackedMatrix``."""
         n, hidden = x.shape
-        qkv = None if next_layer is None else torch.empty(n, next_layer.qkv.shape[0], dtype=torch.float32)
-        ptr = ctypes.byref
+        after = (None,) * 4  # o, mlp_norm, gate_up, down: nothing before layer 0
+        if layer is not None:
+            after = (ctypes.byref(layer.o.described), layer.mlp_norm.data_ptr(), ctypes.byref(layer.gate_up.described),
+                     ctypes.byref(layer.down.described))  # fmt: skip
+        qkv, before = None, (None,) * 3  # attn_norm, qkv, qkv_bias: nothing after the last layer
+        if next_layer is not None:
+            qkv = torch.empty(n, next_layer.qkv.shape[0], dtype=torch.float32)
+            bias = next_layer.qkv_bias
+            before = (next_layer.attn_norm.data_ptr(), ctypes.byref(next_layer.qkv.described),
+                      None if bias is None else bias.data_ptr())  # fmt: skip
         status = self._lib.radixkv_native_layer(
-            x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(),
-            None if layer is None else ptr(layer.o.described), None if layer is None else layer.mlp_norm.data_ptr(),
-            None if layer is None else ptr(layer.gate_up.described), None if layer is None else ptr(layer.down.described),
-            None if next_layer is None else next_layer.attn_norm.data_ptr(),
-            None if next_layer is None else ptr(next_layer.qkv.described),
-            None if next_layer is None or next_layer.qkv_bias is None else next_layer.qkv_bias.data_ptr(),
-            rope_heads, head_dim, cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(),
-            torch.get_num_threads(),
+            x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, rope_heads,
+            head_dim, cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the native layer could not allocate its scratch buffers")

@@ -284,6 +284,38 @@ def test_native_weights_of_a_quantized_gguf_follow_its_fp32_expansion(tmp_path, 
         assert (mine - theirs).abs().max() < 1e-3, variant
 
 
+@pytest.mark.parametrize("variant, architecture", [("phi3-fused", "phi3"), ("qwen2-bias", "qwen2"),
+                                                   ("mistral-window", "llama")])  # fmt: skip
+def test_native_decode_in_one_call_gives_the_bits_of_the_layer_loop(tmp_path, variant, architecture):
+    """Decode steps of a native model whose layers the C calls cover (biases, fused
+    projections, sliding windows; whole-head RoPE, no q/k norms) skip the Python layer
+    loop: the same logits, bit for bit, as the step-by-step loop."""
+    from gguf import GGMLQuantizationType
+
+    from radixkv.kernels import get_backend
+
+    hf = write_checkpoint(tmp_path / "hf", variant)
+    write_gguf(tmp_path / "q8.gguf", hf, architecture, matrices=GGMLQuantizationType.Q8_0)
+    model = load_model(tmp_path / "q8.gguf", native=True)
+    c = model.config
+    assert model._one_call_layers
+    runs = []
+    for one_call in (True, False):
+        model._one_call_layers = one_call
+        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 4, num_pages=64))
+        seqs = [[1, 5, 9, 30, 4, 7, 8, 9, 10, 11], [3, 4, 5]]
+        tables = [pool.alloc(8) for _ in seqs]
+        model.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(seqs, tables)], 4), pool)
+        tokens, logits = [1, 2], []
+        for step in range(4):  # past the window of 6 for mistral-window
+            batch = ForwardBatch.build([SeqInput([tok], len(p) + step, t) for tok, p, t in zip(tokens, seqs, tables)], 4)
+            logits.append(model.forward(batch, pool, get_backend("auto")))
+            tokens = logits[-1].argmax(-1).tolist()
+        runs.append(torch.stack(logits))
+        model._one_call_layers = True
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_bad_layer_types_name_the_field(tmp_path):
     cfg = {"model_type": "qwen3", **TINY, "use_sliding_window": True, "sliding_window": 4,
            "layer_types": ["full_attention", "local"]}  # fmt: skip

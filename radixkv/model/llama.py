@@ -101,10 +101,12 @@ class LlamaModel:
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by local (sliding layers' own base)
         self._act = _ACTIVATIONS[config.hidden_act]
         self._steps = Steps() if self.native else None  # a native model's elementwise steps, in C
-        # decode batches of a plain native model run each layer's stretch between attentions in one C call
+        # decode batches run each layer's stretch between attentions in one C call, which has no q/k norms and
+        # rotates whole heads, on packed matrices alone
         self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_decode)
-        self._one_call_layers = self.native and config.architecture in ("llama", "mistral", "qwen2") and all(
-            isinstance(getattr(w, n), PackedMatrix) for w in layers for n in ("qkv", "o", "gate_up", "down"))
+        self._one_call_layers = (self.native and not config.qk_norm and config.rotary_dims == config.head_dim
+                                 and all(isinstance(getattr(w, n), PackedMatrix)
+                                         for w in layers for n in ("qkv", "o", "gate_up", "down")))  # fmt: skip
 
     def _matrices(self) -> list[tuple[str, Matrix]]:
         out = [("embed", self.embed), ("norm", self.norm)]
@@ -205,7 +207,7 @@ class LlamaModel:
         if cfg.embed_scale is not None:  # as HF: the scale rounded to float32, then to the activation dtype
             x = x * torch.tensor(cfg.embed_scale).to(x.dtype)
         head = _linear
-        if self.native and self._one_call_layers and all(n == 1 for n in batch.qo_lens):
+        if self._one_call_layers and all(n == 1 for n in batch.qo_lens):
             x = self._native_decode_layers(x, batch, pool, backend, cos, sin)
             head = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
         elif self.native:
@@ -278,11 +280,9 @@ class LlamaModel:
             else:  # partial rotary (Phi-3): the leading dims of each head
                 qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
                 qk[..., :rot] = _apply_rope(qk[..., :rot], cos[:, None], sin[:, None])
-            q = qkv[:, : hq * d].view(-1, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
-            v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+            q, k, v = self._heads(qkv)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.window(i))
+            o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i))
             h = steps.add_rms_norm(x, mm(o.reshape(-1, hq * d), w.o), w.mlp_norm, eps)
             out = mm(steps.silu_mul(mm(h, w.gate_up)), w.down)
             if i + 1 < len(self.layers):
@@ -304,22 +304,27 @@ class LlamaModel:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
         x = x.contiguous()
-        kernel = backend.decode_kernel(pool.view(0)) if hasattr(backend, "decode_kernel") else None
+        kernel = backend.decode_kernel(pool.view(0))
         if kernel is not None:  # the CPU attention kernel over float32 pages: the whole step in one call
-            attention = Attention(*kernel, pool.page_size, d**-0.5, 0.0)
+            attention = Attention(*kernel, pool.page_size, cfg.attn_scale, 0.0)
             steps.native_decode(x, self._described_layers(pool), cfg.rms_norm_eps, (hq, hkv, d), cos, sin,
                                 batch.out_slots.contiguous(), attention)  # fmt: skip
             return x
         args = (cfg.rms_norm_eps, hq + hkv, d, cos, sin)
         qkv = steps.native_layer(x, None, None, layers[0], *args)
         for i, w in enumerate(layers):
-            q = qkv[:, : hq * d].view(-1, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
-            v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+            q, k, v = self._heads(qkv)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), d**-0.5, cfg.window(i)).reshape(-1, hq * d).contiguous()
+            o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i)).reshape(-1, hq * d).contiguous()
             qkv = steps.native_layer(x, o, w, layers[i + 1] if i + 1 < len(layers) else None, *args)
         return x
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``: views of a native layer's ``qkv`` rows."""
+        cfg = self.config
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+        return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
 
     def _described_layers(self, pool: KVPool) -> ctypes.Array:
         """The layers with ``pool``'s float32 pages as ``Steps.native_decode`` takes them
