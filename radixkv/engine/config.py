@@ -74,17 +74,21 @@ class EngineConfig:
     # (gloo on the CPU, NCCL on CUDA); must divide the model's query and KV heads
     tp: int = 1
 
+    @property
+    def kv_share(self) -> float | None:
+        """The share of available memory the pool takes: ``kv_memory_share``, or its
+        default when no size is given; None when a size is."""
+        if self.kv_cache_tokens is not None or self.memory_bytes is not None:
+            return None
+        return self.kv_memory_share or DEFAULT_KV_MEMORY_SHARE
+
     def kv_pool_bytes(self, available: int | None) -> int | None:
         """The pool's byte budget when no token count is given: ``memory_bytes``, else
-        the share (``kv_memory_share`` or its default) of ``available`` bytes (1 GiB when
-        that cannot be told); None with ``kv_cache_tokens``."""
-        if self.kv_cache_tokens is not None:
-            return None
-        if self.memory_bytes is not None:
+        ``kv_share`` of ``available`` bytes (1 GiB when that cannot be told); None with
+        ``kv_cache_tokens``."""
+        if self.kv_share is None:
             return self.memory_bytes
-        if available is None:
-            return 1 << 30
-        return int((self.kv_memory_share or DEFAULT_KV_MEMORY_SHARE) * available)
+        return 1 << 30 if available is None else int(self.kv_share * available)
 
     def __post_init__(self):
         for name in ("page_size", "max_batch_tokens", "max_running", "kv_store_bytes", "tp"):

@@ -75,7 +75,7 @@ class EngineLoop:
         if cfg.kv_scales is not None:  # read once, here: nothing ever computes or rewrites them
             pool_cfg["kv_scales"] = load_kv_scales(cfg.kv_scales, mc.num_layers, mc.num_kv_heads, cfg.kv_format.name)
         # with a share: of the memory left with the weights loaded (available_memory: None when unknown)
-        self.available_memory = available_memory(cfg.device) if cfg.kv_cache_tokens is None else None
+        self.available_memory = available_memory(cfg.device) if cfg.kv_share is not None else None
         if cfg.kv_cache_tokens is not None:
             pool_cfg["num_pages"] = ceil_div(cfg.kv_cache_tokens, cfg.page_size)
         else:

@@ -194,7 +194,6 @@ def preflight(engine_config, server_config) -> Plan:
     ValueError with a one-line message; returns the Plan (its warnings included)."""
     from radixkv.cache.policy import POLICIES
     from radixkv.cache.pool import available_memory
-    from radixkv.engine.config import DEFAULT_KV_MEMORY_SHARE
     from radixkv.kernels import BACKENDS
     from radixkv.model.loader import load_config
     from radixkv.model.registry import resolve_model
@@ -230,8 +229,7 @@ def preflight(engine_config, server_config) -> Plan:
     else:  # a share is of what the weights leave: estimated here from what is available before they load
         budget = e.kv_pool_bytes(available_memory(e.device))
         if budget < per_page:
-            given = f"--memory-bytes {budget}" if e.memory_bytes is not None else \
-                f"--kv-memory-share {e.kv_memory_share or DEFAULT_KV_MEMORY_SHARE} ({_size(budget)})"
+            given = f"--kv-memory-share {e.kv_share} ({_size(budget)})" if e.kv_share else f"--memory-bytes {budget}"
             raise ValueError(f"{given} does not hold one KV page ({per_page} bytes at page size {e.page_size})")
         from radixkv.cache.pool import MAX_PAGES
 
@@ -276,7 +274,7 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         tiers.append(f"store {cfg.kv_store.split('://')[0].split(':')[0]}")
     return [
         f"model: {model_name} ({plan.model_path}), {plan.num_layers} layers, context {engine.max_context} tokens",
-        f"weights: {_weights_line(engine.model.weights_summary())}; activations {cfg.dtype}; KV dtype: "
+        f"weights: {_weights_line(engine.loop.weights)}; activations {cfg.dtype}; KV dtype: "
         f"{pool.format.name}; device: {cfg.device}",
         f"KV pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens, "
         f"{_size(pool.num_pages * pool.config.bytes_per_page)} ({_size(pool.config.bytes_per_page)} a page)"
@@ -292,12 +290,8 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
 
 def _share_note(engine) -> str:
     """``; 25% of 20.1 GiB available`` when the pool was sized by a share of memory."""
-    from radixkv.engine.config import DEFAULT_KV_MEMORY_SHARE
-
-    cfg, free = engine.config, engine.loop.available_memory
-    if cfg.kv_cache_tokens is not None or cfg.memory_bytes is not None or free is None:
-        return ""
-    return f"; {100 * (cfg.kv_memory_share or DEFAULT_KV_MEMORY_SHARE):g}% of {_size(free)} available"
+    share, free = engine.config.kv_share, engine.loop.available_memory
+    return "" if share is None or free is None else f"; {100 * share:g}% of {_size(free)} available"
 
 
 def _weights_line(summary: dict) -> str:
