@@ -18,6 +18,9 @@ TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)  # fmt: skip
 
 PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # Phi3Config's defaults lie past TINY's vocab
+# Gemma: larger random weights than the default, so that the soft-caps bend the logits
+GEMMA = dict(head_dim=16, sliding_window=6, initializer_range=0.2)
+GEMMA2_CAPS = dict(GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
 
 VARIANTS = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
@@ -43,30 +46,20 @@ VARIANTS = {
              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                               "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 4.0, 9.0, 20.0]}),
     ),  # fmt: skip
-    # Gemma: larger random weights than the default, so that the soft-caps bend the logits
-    "gemma2-softcap-window": (
-        transformers.Gemma2Config,
-        dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-             final_logit_softcapping=3.0, initializer_range=0.2),
-    ),  # fmt: skip
+    "gemma2-softcap-window": (transformers.Gemma2Config, dict(GEMMA2_CAPS, query_pre_attn_scalar=24)),
     "gemma3-local-rope": (  # layers 0, 1 slide with their own base, layer 2 is global with linear scaling
         transformers.Gemma3TextConfig,
-        dict(head_dim=16, num_hidden_layers=3, sliding_window=6, sliding_window_pattern=3, query_pre_attn_scalar=32,
-             initializer_range=0.2, rope_parameters={
+        dict(GEMMA, num_hidden_layers=3, sliding_window_pattern=3, query_pre_attn_scalar=32, rope_parameters={
                  "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
                  "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
     ),  # fmt: skip
     # as llama.cpp's GGUF loader assumes them: query_pre_attn_scalar = head_dim, Gemma 3's layer pattern 6 and
     # local base 10000
-    "gemma2-like-llama-cpp": (
-        transformers.Gemma2Config,
-        dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
-             final_logit_softcapping=3.0, initializer_range=0.2),
-    ),  # fmt: skip
+    "gemma2-like-llama-cpp": (transformers.Gemma2Config, dict(GEMMA2_CAPS, query_pre_attn_scalar=16)),
     "gemma3-like-llama-cpp": (
         transformers.Gemma3TextConfig,
-        dict(head_dim=16, num_hidden_layers=6, sliding_window=6, query_pre_attn_scalar=16, final_logit_softcapping=3.0,
-             initializer_range=0.2, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        dict(GEMMA, num_hidden_layers=6, query_pre_attn_scalar=16, final_logit_softcapping=3.0,
+             rope_scaling={"rope_type": "linear", "factor": 2.0}),
     ),  # fmt: skip
 }
 

@@ -166,7 +166,7 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
@@ -278,13 +278,14 @@ class ModelConfig:
         unscaled). Without: the global layers' (what ``kv_rerotate`` rotates by; it is
         refused for sliding-window models)."""
         dim = self.rotary_dims
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         if local and self.local_rope_theta is not None:
-            return 1.0 / (self.local_rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            return 1.0 / (self.local_rope_theta**exponents)
         s = self.rope_scaling
         if s.kind == "longrope":  # HF's order of operations: 1 / (factor * base ** (i / dim))
             factors = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float32)
-            return 1.0 / (factors * self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            return 1.0 / (factors * self.rope_theta**exponents)
+        inv = 1.0 / (self.rope_theta**exponents)
         if s.kind == "linear":
             inv = inv / s.factor
         elif s.kind == "llama3":

@@ -173,13 +173,19 @@ class GGUFFile:
                 for name, qtype, dims, n, nb, start, dtype, count, np_dims in placed]
 
 
-def _string(mm: mmap.mmap, off: int, size: int, path: str) -> tuple[str, int]:
+def _raw_string(mm: mmap.mmap, off: int, size: int) -> tuple[bytes, int]:
+    """A GGUF string's bytes at ``off`` (uint64 length, then the bytes) and the offset after it."""
     (n,) = _U64.unpack_from(mm, off)
     end = off + 8 + n
     if end > size:
         raise _Truncated
+    return mm[off + 8 : end], end
+
+
+def _string(mm: mmap.mmap, off: int, size: int, path: str) -> tuple[str, int]:
+    raw, end = _raw_string(mm, off, size)
     try:
-        return str(mm[off + 8 : end], "utf-8"), end
+        return str(raw, "utf-8"), end
     except UnicodeDecodeError as e:
         raise ModelLoadError(f"{path}: a key or tensor name at offset {off} is not utf-8: {e}") from None
 
@@ -208,11 +214,8 @@ def _value(mm: mmap.mmap, off: int, size: int, vtype: int, path: str, key: str) 
     if scalar is not None:
         return scalar.unpack_from(mm, off)[0], off + scalar.size
     if vtype == _STRING:
-        (n,) = _U64.unpack_from(mm, off)
-        end = off + 8 + n
-        if end > size:
-            raise _Truncated
-        return _decode(mm[off + 8 : end], path, key), end
+        raw, end = _raw_string(mm, off, size)
+        return _decode(raw, path, key), end
     if vtype != _ARRAY:
         raise ModelLoadError(f"{path}: metadata value {key!r} has unknown GGUF type {vtype}")
     itype, count = _ARRAY_HEADER.unpack_from(mm, off)

@@ -96,6 +96,7 @@ def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelC
     reader = open_gguf(str(path))
     config = _gguf_config(path)
     layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(config.architecture, {})}
+    permuted = config.architecture in _PERMUTED_ROTARY
     sd = {}
     for t in reader.tensors:
         if t.name in _GGUF_GLOBAL_NAMES:
@@ -117,7 +118,6 @@ def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelC
             w = np.asarray(w, dtype=np.float32).reshape(shape)
         if config.norm_offset and t.name.endswith("norm.weight"):
             w = w - np.float32(config.norm_offset)  # llama.cpp's converter stored Gemma's norms as 1 + weight
-        permuted = config.architecture in _PERMUTED_ROTARY
         if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rotary(w, config.num_heads)
         elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):

@@ -51,7 +51,7 @@ END_OF_TURN_TOKENS = (
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 # llama.cpp's token types in ``tokenizer.ggml.token_type``.
-_GGUF_NORMAL, _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED, _GGUF_UNUSED, _GGUF_BYTE = 1, 2, 3, 4, 5, 6
+_GGUF_NORMAL, _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 1, 2, 3, 4  # (5: unused, 6: byte)
 
 # How text is cut into words before BPE, per ``tokenizer.ggml.pre``. These are the split
 # patterns the models were trained with (Llama 3's, Qwen2's, ...); a ``pre`` not listed
