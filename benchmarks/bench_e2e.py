@@ -10,6 +10,7 @@ skipped with a notice unless ``bash benchmarks/peers/setup_llamacpp.sh`` install
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -24,34 +25,34 @@ def transformers():
     return bench.InProcess(TransformersBackend())
 
 
-def llama_cpp():
-    from benchmarks.peers import llamacpp_backend
-
-    reason = llamacpp_backend.unavailable()
-    if reason:
-        print(f"[llama.cpp skipped: {reason}]")
-        return None
-    return llamacpp_backend.LlamaCppServer()
+# a served peer: its module in benchmarks/peers (with unavailable() and version()) and its server class
+SERVED = {"llama.cpp": ("llamacpp_backend", "LlamaCppServer", "llama_cpp_python"),
+          "llama-server": ("llamaserver_backend", "LlamaServer", "llama_server")}  # fmt: skip
 
 
-def llama_server():
-    from benchmarks.peers import llamaserver_backend
+def served(system: str):
+    """A factory for ``system``'s server, or None (with the reason printed) where it cannot run."""
 
-    reason = llamaserver_backend.unavailable()
-    if reason:
-        print(f"[llama-server skipped: {reason}]")
-        return None
-    return llamaserver_backend.LlamaServer()
+    def factory():
+        module = importlib.import_module(f"benchmarks.peers.{SERVED[system][0]}")
+        reason = module.unavailable()
+        if reason:
+            print(f"[{system} skipped: {reason}]")
+            return None
+        return getattr(module, SERVED[system][1])()
+
+    return factory
 
 
 def versions() -> dict:
-    from benchmarks.peers import llamacpp_backend, llamaserver_backend
+    out = {}
+    for module_name, _, key in SERVED.values():
+        module = importlib.import_module(f"benchmarks.peers.{module_name}")
+        out[key] = None if module.unavailable() else module.version()
+    return out
 
-    return {"llama_cpp_python": None if llamacpp_backend.unavailable() else llamacpp_backend.version(),
-            "llama_server": None if llamaserver_backend.unavailable() else llamaserver_backend.version()}
 
-
-PEERS = {"transformers": transformers, "llama.cpp": llama_cpp, "llama-server": llama_server}
+PEERS = {"transformers": transformers, **{system: served(system) for system in SERVED}}
 
 
 def main(argv=None) -> int:

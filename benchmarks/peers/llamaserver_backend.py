@@ -23,7 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
+from benchmarks.peers.llamacpp_backend import LlamaCppBackend
+from radixkv.frontend.backends import BackendError, CallResult, Delta
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BINARY = ROOT / ".peers" / "llama.cpp-bin" / "bin" / "llama-server"
@@ -70,27 +71,14 @@ class LlamaServer:
         self._slots_dir.cleanup()
 
 
-class LlamaServerBackend(Backend):
+class LlamaServerBackend(LlamaCppBackend):
+    """llama-cpp-python's backend (the same tokenizer and chat template, an HTTP client)
+    speaking llama-server's own ``/completion`` with token ids, its slots in parallel."""
+
     def __init__(self, url: str):
-        import httpx
-
-        from radixkv.model import resolve_model
-        from radixkv.model.chat_template import ChatTemplate
-        from radixkv.model.tokenizer import Tokenizer
-
-        self.url = url
-        self._http = httpx.Client(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=4 * SLOTS))
-        self.tokenizer = Tokenizer.load(resolve_model())
-        self.template = ChatTemplate.from_tokenizer(self.tokenizer)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        super().__init__(url)
         self.max_context = CONTEXT // SLOTS
         self._pool = ThreadPoolExecutor(SLOTS)
-
-    def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def generate(self, prompts: list[list[int]], params: dict) -> list[CallResult]:
         def one(p):
@@ -147,4 +135,4 @@ class LlamaServerBackend(Backend):
 
     def close(self) -> None:
         self._pool.shutdown()
-        self._http.close()
+        super().close()
