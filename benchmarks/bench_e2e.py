@@ -1,12 +1,12 @@
 """End-to-end against the peers: ``radixkv.workloads.bench`` (what ``radixkv bench``
-runs) plus HF transformers and llama.cpp's server on the same model and prompts.
+runs) plus HF transformers, llama.cpp (llama-cpp-python's server and its own
+``llama-server``) and vLLM's CPU build, on the same model and prompts.
 
     .venv/bin/python benchmarks/bench_e2e.py [--scale full|small|tiny] [--workloads rag,agent]
-        [--systems radixkv,radixkv-no-cache,transformers,llama.cpp] [--out benchmarks/out]
+        [--systems radixkv,radixkv-no-cache,transformers,llama.cpp,llama-server,vllm] [--out benchmarks/out]
 
-The systems and what is measured: see ``radixkv/workloads/bench.py``. llama.cpp is
-skipped with a notice unless ``bash benchmarks/peers/setup_llamacpp.sh`` installed it.
-"""
+The systems and what is measured: see ``radixkv/workloads/bench.py``. A served peer is
+skipped with a notice unless its setup script (``benchmarks/peers/setup_*.sh``) installed it."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def transformers():
 
 # a served peer: its module in benchmarks/peers (with unavailable() and version()) and its server class
 SERVED = {"llama.cpp": ("llamacpp_backend", "LlamaCppServer", "llama_cpp_python"),
-          "llama-server": ("llamaserver_backend", "LlamaServer", "llama_server")}  # fmt: skip
+          "llama-server": ("llamaserver_backend", "LlamaServer", "llama_server"),
+          "vllm": ("vllm_backend", "VllmServer", "vllm")}  # fmt: skip
 
 
 def served(system: str):

@@ -71,14 +71,16 @@ class LlamaServer:
         self._slots_dir.cleanup()
 
 
-class LlamaServerBackend(LlamaCppBackend):
+class SideBySideBackend(LlamaCppBackend):
     """llama-cpp-python's backend (the same tokenizer and chat template, an HTTP client)
-    speaking llama-server's own ``/completion`` with token ids, its slots in parallel."""
+    for a server that batches: the prompts of one call (a fork's branches) are sent
+    side by side, each on its own connection. Subclasses speak the server's route in
+    ``stream``."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, max_context: int, connections: int):
         super().__init__(url)
-        self.max_context = CONTEXT // SLOTS
-        self._pool = ThreadPoolExecutor(SLOTS)
+        self.max_context = max_context
+        self._pool = ThreadPoolExecutor(connections)
 
     def generate(self, prompts: list[list[int]], params: dict) -> list[CallResult]:
         def one(p):
@@ -86,6 +88,17 @@ class LlamaServerBackend(LlamaCppBackend):
             return last
 
         return list(self._pool.map(one, prompts)) if len(prompts) > 1 else [one(prompts[0])]
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        super().close()
+
+
+class LlamaServerBackend(SideBySideBackend):
+    """llama-server's own ``/completion`` with token ids, its slots in parallel."""
+
+    def __init__(self, url: str):
+        super().__init__(url, CONTEXT // SLOTS, SLOTS)
 
     def stream(self, prompt: list[int], params: dict):
         import httpx
@@ -132,7 +145,3 @@ class LlamaServerBackend(LlamaCppBackend):
             r = self._http.post(f"/slots/{slot['id']}?action=erase")
             if r.status_code != 200:
                 raise BackendError(f"llama-server did not erase slot {slot['id']}: {r.status_code} {r.text[:200]}")
-
-    def close(self) -> None:
-        self._pool.shutdown()
-        super().close()
