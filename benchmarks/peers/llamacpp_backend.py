@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import cached_property
 from pathlib import Path
 
 from radixkv.frontend.backends import Backend, BackendError, CallResult, Delta
@@ -83,9 +84,14 @@ class LlamaCppBackend(Backend):
         self.tokenizer = Tokenizer.load(resolve_model())
         self.template = ChatTemplate.from_tokenizer(self.tokenizer)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        specials = {i for i in range(64) if (self.tokenizer.id_to_token(i) or "").startswith("<")}
-        self._no_stop = {str(t): -100.0 for t in sorted(self.eos_token_ids | specials)}
         self.max_context = 8192
+
+    @cached_property
+    def _no_stop(self) -> dict[str, float]:
+        """The logit bias that keeps EOS and the other special tokens out (``ignore_eos``:
+        this server has no such field; the servers built on this backend do)."""
+        specials = {i for i in range(64) if (self.tokenizer.id_to_token(i) or "").startswith("<")}
+        return {str(t): -100.0 for t in sorted(self.eos_token_ids | specials)}
 
     def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens, split_special_tokens)
