@@ -853,6 +853,12 @@ static __attribute__((noinline)) void rope_row(float *x, int64_t heads, int64_t 
     }
 }
 
+/* q/k norms (Qwen3): each of the first hq heads normed with qn, each of the next hkv with
+ * kn, in place: the RMSNorm of add_rms_norm_row per head of d values. */
+static void qk_norm_row(float *x, int64_t hq, int64_t hkv, int64_t d, const float *qn, const float *kn, float eps) {
+    for (int64_t h = 0; h < hq + hkv; h++) add_rms_norm_row(x + h * d, NULL, h < hq ? qn : kn, eps, d, x + h * d);
+}
+
 /* With add: x += add first (the residual). Then out = w * x / sqrt(mean(x^2) + eps), per row. */
 void radixkv_add_rms_norm(float *x, const float *add, const float *w, float eps, int64_t n, int64_t d, float *out,
                           int threads) {
@@ -866,6 +872,13 @@ void radixkv_silu_mul(const float *gu, int64_t n, int64_t inter, float *out, int
     for (int64_t r = 0; r < n; r++) silu_mul_row(gu + r * 2 * inter, inter, out + r * inter);
 }
 
+/* q/k norms in place on the first hq + hkv heads of each of n rows (row_stride floats apart). */
+void radixkv_qk_norm(float *x, int64_t n, int64_t row_stride, int64_t hq, int64_t hkv, int64_t d, const float *qn,
+                     const float *kn, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) qk_norm_row(x + r * row_stride, hq, hkv, d, qn, kn, eps);
+}
+
 /* Rotary embedding in place on the first `heads` heads of each row (q and k, half-split
  * layout): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; cos/sin [n, d] (token r's row). */
 void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t d, const float *cos,
@@ -876,14 +889,16 @@ void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_
 /* A native layer's stretch between two attentions, for n tokens, in one parallel region:
  * with attn (layer i's attention output [n, o->cols]): x += o(attn); h = norm(x) * mlp_norm;
  * x += down(silu(gate) * up of gate_up(h)); then with next_norm (layer i + 1's attention
- * norm): h = norm(x) * next_norm and qkv_out = qkv(h) (+ qkv_bias), RoPE on its first
+ * norm): h = norm(x) * next_norm and qkv_out = qkv(h) (+ qkv_bias), with q_norm the q/k
+ * norms on its first q_heads and next rope_heads - q_heads heads, RoPE on its first
  * rope_heads heads. Without attn (before layer 0) only the second part. The same steps as
- * the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul, radixkv_rope,
- * a residual add), so the same bits. Returns 0, or -2 when scratch cannot be allocated. */
+ * the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul, radixkv_qk_norm,
+ * radixkv_rope, a residual add), so the same bits. Returns 0, or -2 when scratch cannot be allocated. */
 int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const float *attn, const qmat *o,
                          const float *mlp_norm, const qmat *gate_up, const qmat *down, const float *next_norm,
-                         const qmat *qkv, const float *qkv_bias, int64_t rope_heads, int64_t head_dim,
-                         const float *cos, const float *sin, float *qkv_out, int threads) {
+                         const qmat *qkv, const float *qkv_bias, const float *q_norm, const float *k_norm,
+                         int64_t q_heads, int64_t rope_heads, int64_t head_dim, const float *cos, const float *sin,
+                         float *qkv_out, int threads) {
     int64_t inter = gate_up ? gate_up->rows / 2 : 0, widest = hidden;
     if (attn && o->cols > widest) widest = o->cols;
     if (inter > widest) widest = inter;
@@ -921,6 +936,7 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
                 float *row = qkv_out + r * qkv->rows;
                 if (qkv_bias)
                     for (int64_t j = 0; j < qkv->rows; j++) row[j] += qkv_bias[j];
+                if (q_norm) qk_norm_row(row, q_heads, rope_heads - q_heads, head_dim, q_norm, k_norm, eps);
                 rope_row(row, rope_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
             }
         }
@@ -947,6 +963,7 @@ typedef int (*attend_fn)(const float *, const void *, const void *, const void *
 typedef struct {  /* one layer, as weights.py describes it */
     qmat qkv, o, gate_up, down;
     const float *attn_norm, *mlp_norm, *qkv_bias;
+    const float *q_norm, *k_norm;  /* NULL: no q/k norms */
     float *k_cache, *v_cache;  /* the layer's float32 pages: [pages * page_size, hkv, d] */
     int64_t window;            /* sliding window in tokens, 0: none */
 } qlayer;
@@ -970,7 +987,8 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
     if (!qkv) return -2;
     float *q = qkv + n * width, *out = q + n * hq * d;
     int status = radixkv_native_layer(x, n, hidden, eps, NULL, NULL, NULL, NULL, NULL, layers[0].attn_norm,
-                                      &layers[0].qkv, layers[0].qkv_bias, hq + hkv, d, cos, sin, qkv, threads);
+                                      &layers[0].qkv, layers[0].qkv_bias, layers[0].q_norm, layers[0].k_norm, hq,
+                                      hq + hkv, d, cos, sin, qkv, threads);
     for (int64_t i = 0; i < nlayers && status == 0; i++) {
         const qlayer *l = &layers[i], *next = i + 1 < nlayers ? &layers[i + 1] : NULL;
         for (int64_t r = 0; r < n; r++) {
@@ -985,7 +1003,8 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
         if (status == 0)
             status = radixkv_native_layer(x, n, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
                                           next ? next->attn_norm : NULL, next ? &next->qkv : NULL,
-                                          next ? next->qkv_bias : NULL, hq + hkv, d, cos, sin, qkv, threads);
+                                          next ? next->qkv_bias : NULL, next ? next->q_norm : NULL,
+                                          next ? next->k_norm : NULL, hq, hq + hkv, d, cos, sin, qkv, threads);
     }
     free(qkv);
     return status;

@@ -56,8 +56,9 @@ class QLayer(ctypes.Structure):
     """One layer of a native model over a float32 pool (``qlayer`` in ``qmatmul.c``)."""
 
     _fields_ = [("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat), ("attn_norm", ctypes.c_void_p),
-                ("mlp_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]  # fmt: skip
+                ("mlp_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("window", ctypes.c_int64)]  # fmt: skip
 
 
 class Attention(ctypes.Structure):
@@ -102,8 +103,10 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_sgemm_small.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
             lib.radixkv_sgemm_small.restype = None
             q, f = ctypes.POINTER(QMat), ctypes.c_float
-            lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _i64, _i64,
-                                                 _ptr, _ptr, _ptr, _int]  # fmt: skip
+            lib.radixkv_qk_norm.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, f, _int]
+            lib.radixkv_qk_norm.restype = None
+            lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _ptr, _ptr,
+                                                 _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]  # fmt: skip
             lib.radixkv_native_layer.restype = _int
             lib.radixkv_native_decode.argtypes = [_ptr, _i64, _i64, f, ctypes.POINTER(QLayer), _i64, _i64, _i64, _i64,
                                                   _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _int]  # fmt: skip
@@ -272,13 +275,23 @@ class Steps:
         cos, sin = cos.contiguous(), sin.contiguous()
         self._lib.radixkv_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
 
+    def qk_norm_(self, x: torch.Tensor, heads: tuple[int, int], head_dim: int, q_norm: torch.Tensor,
+                 k_norm: torch.Tensor, eps: float) -> None:
+        """q/k norms (Qwen3) in place on each row of ``x`` (``[n, >= (hq + hkv) *
+        head_dim]``): RMSNorm times ``q_norm`` over each of its first ``hq`` heads, times
+        ``k_norm`` over each of the next ``hkv`` (``heads``: (hq, hkv))."""
+        hq, hkv = heads
+        self._lib.radixkv_qk_norm(x.data_ptr(), x.shape[0], x.stride(0), hq, hkv, head_dim, q_norm.data_ptr(),
+                                  k_norm.data_ptr(), eps, torch.get_num_threads())  # fmt: skip
+
     def native_layer(self, x: torch.Tensor, attn: torch.Tensor | None, layer, next_layer, eps: float,
-                     rope_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+                     heads: tuple[int, int], head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """A native layer's stretch between two attentions in one call (``x``, the residual
         ``[n, hidden]``, updated in place): with ``attn`` (``layer``'s attention output),
         its output projection, residual, MLP norm, MLP and residual; then, with
-        ``next_layer``, that layer's attention norm, q/k/v projection (and bias) and RoPE on
-        the first ``rope_heads`` heads, returned ``[n, qkv rows]``. The same arithmetic,
+        ``next_layer``, that layer's attention norm, q/k/v projection (and bias), its q/k
+        norms where it has them and RoPE on the q and k heads (``heads``: (hq, hkv)),
+        returned ``[n, qkv rows]``. The same arithmetic,
         bit for bit, as ``PackedMatrix.linear`` and the steps above one by one. ``layer``,
         ``next_layer``: ``LayerWeights`` whose matrices are ``PackedMatrix``."""
         n, hidden = x.shape
@@ -286,14 +299,15 @@ class Steps:
         if layer is not None:
             after = (ctypes.byref(layer.o.described), layer.mlp_norm.data_ptr(), ctypes.byref(layer.gate_up.described),
                      ctypes.byref(layer.down.described))  # fmt: skip
-        qkv, before = None, (None,) * 3  # attn_norm, qkv, qkv_bias: nothing after the last layer
+        qkv, before = None, (None,) * 5  # attn_norm, qkv, qkv_bias, q/k norms: nothing after the last layer
         if next_layer is not None:
             qkv = torch.empty(n, next_layer.qkv.shape[0], dtype=torch.float32)
-            bias = next_layer.qkv_bias
             before = (next_layer.attn_norm.data_ptr(), ctypes.byref(next_layer.qkv.described),
-                      None if bias is None else bias.data_ptr())  # fmt: skip
+                      *(None if t is None else t.data_ptr()
+                        for t in (next_layer.qkv_bias, next_layer.q_norm, next_layer.k_norm)))  # fmt: skip
+        hq, hkv = heads
         status = self._lib.radixkv_native_layer(
-            x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, rope_heads,
+            x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, hq, hq + hkv,
             head_dim, cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:

@@ -101,10 +101,10 @@ class LlamaModel:
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by local (sliding layers' own base)
         self._act = _ACTIVATIONS[config.hidden_act]
         self._steps = Steps() if self.native else None  # a native model's elementwise steps, in C
-        # decode batches run each layer's stretch between attentions in one C call, which has no q/k norms and
-        # rotates whole heads, on packed matrices alone
+        # decode batches run each layer's stretch between attentions in one C call, which rotates whole heads,
+        # on packed matrices alone
         self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_decode)
-        self._one_call_layers = (self.native and not config.qk_norm and config.rotary_dims == config.head_dim
+        self._one_call_layers = (self.native and config.rotary_dims == config.head_dim
                                  and all(isinstance(getattr(w, n), PackedMatrix)
                                          for w in layers for n in ("qkv", "o", "gate_up", "down")))  # fmt: skip
 
@@ -272,9 +272,7 @@ class LlamaModel:
         for i, w in enumerate(self.layers):
             qkv = mm(h, w.qkv, w.qkv_bias)  # contiguous rows: the q/k norms and RoPE work in place on them
             if w.q_norm is not None:
-                qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
-                qk[:, :hq] = _rms_norm(qk[:, :hq], w.q_norm, eps)
-                qk[:, hq:] = _rms_norm(qk[:, hq:], w.k_norm, eps)
+                steps.qk_norm_(qkv, (hq, hkv), d, w.q_norm, w.k_norm, eps)
             if rot == d:
                 steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place
             else:  # partial rotary (Phi-3): the leading dims of each head
@@ -310,7 +308,7 @@ class LlamaModel:
             steps.native_decode(x, self._described_layers(pool), cfg.rms_norm_eps, (hq, hkv, d), cos, sin,
                                 batch.out_slots.contiguous(), attention)  # fmt: skip
             return x
-        args = (cfg.rms_norm_eps, hq + hkv, d, cos, sin)
+        args = (cfg.rms_norm_eps, (hq, hkv), d, cos, sin)
         qkv = steps.native_layer(x, None, None, layers[0], *args)
         for i, w in enumerate(layers):
             q, k, v = self._heads(qkv)
@@ -337,8 +335,8 @@ class LlamaModel:
             view = pool.view(i)
             layers[i] = QLayer(w.qkv.described, w.o.described, w.gate_up.described, w.down.described,
                                w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(),
-                               None if w.qkv_bias is None else w.qkv_bias.data_ptr(), view.k.data_ptr(),
-                               view.v.data_ptr(), self.config.window(i) or 0)  # fmt: skip
+                               *(None if t is None else t.data_ptr() for t in (w.qkv_bias, w.q_norm, w.k_norm)),
+                               view.k.data_ptr(), view.v.data_ptr(), self.config.window(i) or 0)  # fmt: skip
         self._described = (weakref.ref(pool), layers)
         return layers
 
