@@ -841,14 +841,17 @@ static __attribute__((noinline)) void silu_mul_row(const float *g, int64_t inter
     }
 }
 
-static __attribute__((noinline)) void rope_row(float *x, int64_t heads, int64_t d, const float *c, const float *s) {
-    int64_t half_d = d / 2;
+/* RoPE on the first rot dims of each of `heads` heads of d (half-split within them: dim j
+ * pairs with j + rot / 2), c and s [rot]; rot < d: partial rotary (Phi-3), the rest kept. */
+static __attribute__((noinline)) void rope_row(float *x, int64_t heads, int64_t d, int64_t rot, const float *c,
+                                               const float *s) {
+    int64_t half = rot / 2;
     for (int64_t h = 0; h < heads; h++) {
-        float *x1 = x + h * d, *x2 = x1 + half_d;
-        for (int64_t j = 0; j < half_d; j++) {
+        float *x1 = x + h * d, *x2 = x1 + half;
+        for (int64_t j = 0; j < half; j++) {
             float a = x1[j], b = x2[j];
             x1[j] = a * c[j] - b * s[j];
-            x2[j] = b * c[j + half_d] + a * s[j + half_d];
+            x2[j] = b * c[j + half] + a * s[j + half];
         }
     }
 }
@@ -879,26 +882,27 @@ void radixkv_qk_norm(float *x, int64_t n, int64_t row_stride, int64_t hq, int64_
     for (int64_t r = 0; r < n; r++) qk_norm_row(x + r * row_stride, hq, hkv, d, qn, kn, eps);
 }
 
-/* Rotary embedding in place on the first `heads` heads of each row (q and k, half-split
- * layout): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; cos/sin [n, d] (token r's row). */
-void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t d, const float *cos,
+/* Rotary embedding in place on the first rot dims of the first `heads` heads of each row
+ * (q and k, half-split layout): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; cos/sin
+ * [n, rot] (token r's row). */
+void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_t d, int64_t rot, const float *cos,
                   const float *sin) {
-    for (int64_t r = 0; r < n; r++) rope_row(x + r * row_stride, heads, d, cos + r * d, sin + r * d);
+    for (int64_t r = 0; r < n; r++) rope_row(x + r * row_stride, heads, d, rot, cos + r * rot, sin + r * rot);
 }
 
 /* A native layer's stretch between two attentions, for n tokens, in one parallel region:
  * with attn (layer i's attention output [n, o->cols]): x += o(attn); h = norm(x) * mlp_norm;
  * x += down(silu(gate) * up of gate_up(h)); then with next_norm (layer i + 1's attention
  * norm): h = norm(x) * next_norm and qkv_out = qkv(h) (+ qkv_bias), with q_norm the q/k
- * norms on its first q_heads and next rope_heads - q_heads heads, RoPE on its first
- * rope_heads heads. Without attn (before layer 0) only the second part. The same steps as
+ * norms on its first q_heads and next rope_heads - q_heads heads, RoPE on the first rot
+ * dims of its first rope_heads heads (cos/sin [n, rot]). Without attn (before layer 0) only the second part. The same steps as
  * the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul, radixkv_qk_norm,
  * radixkv_rope, a residual add), so the same bits. Returns 0, or -2 when scratch cannot be allocated. */
 int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const float *attn, const qmat *o,
                          const float *mlp_norm, const qmat *gate_up, const qmat *down, const float *next_norm,
                          const qmat *qkv, const float *qkv_bias, const float *q_norm, const float *k_norm,
-                         int64_t q_heads, int64_t rope_heads, int64_t head_dim, const float *cos, const float *sin,
-                         float *qkv_out, int threads) {
+                         int64_t q_heads, int64_t rope_heads, int64_t head_dim, int64_t rot, const float *cos,
+                         const float *sin, float *qkv_out, int threads) {
     int64_t inter = gate_up ? gate_up->rows / 2 : 0, widest = hidden;
     if (attn && o->cols > widest) widest = o->cols;
     if (inter > widest) widest = inter;
@@ -937,7 +941,7 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
                 if (qkv_bias)
                     for (int64_t j = 0; j < qkv->rows; j++) row[j] += qkv_bias[j];
                 if (q_norm) qk_norm_row(row, q_heads, rope_heads - q_heads, head_dim, q_norm, k_norm, eps);
-                rope_row(row, rope_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
+                rope_row(row, rope_heads, head_dim, rot, cos + r * rot, sin + r * rot);
             }
         }
     }
@@ -980,7 +984,7 @@ typedef struct {  /* the attention kernel and this step's arguments to it (CpuBa
  * slots[r]: token r's pool row. Returns 0; -2 when scratch cannot be allocated; the
  * attention kernel's own status otherwise. */
 int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const qlayer *layers, int64_t nlayers,
-                          int64_t hq, int64_t hkv, int64_t d, const float *cos, const float *sin,
+                          int64_t hq, int64_t hkv, int64_t d, int64_t rot, const float *cos, const float *sin,
                           const int64_t *slots, const attention *att, int threads) {
     const int64_t width = layers[0].qkv.rows, kv = hkv * d;
     float *qkv = malloc(sizeof(float) * (size_t)(n * (width + 2 * hq * d)));
@@ -988,7 +992,7 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
     float *q = qkv + n * width, *out = q + n * hq * d;
     int status = radixkv_native_layer(x, n, hidden, eps, NULL, NULL, NULL, NULL, NULL, layers[0].attn_norm,
                                       &layers[0].qkv, layers[0].qkv_bias, layers[0].q_norm, layers[0].k_norm, hq,
-                                      hq + hkv, d, cos, sin, qkv, threads);
+                                      hq + hkv, d, rot, cos, sin, qkv, threads);
     for (int64_t i = 0; i < nlayers && status == 0; i++) {
         const qlayer *l = &layers[i], *next = i + 1 < nlayers ? &layers[i + 1] : NULL;
         for (int64_t r = 0; r < n; r++) {
@@ -1004,7 +1008,7 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
             status = radixkv_native_layer(x, n, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
                                           next ? next->attn_norm : NULL, next ? &next->qkv : NULL,
                                           next ? next->qkv_bias : NULL, next ? next->q_norm : NULL,
-                                          next ? next->k_norm : NULL, hq, hq + hkv, d, cos, sin, qkv, threads);
+                                          next ? next->k_norm : NULL, hq, hq + hkv, d, rot, cos, sin, qkv, threads);
     }
     free(qkv);
     return status;

@@ -98,7 +98,7 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_add_rms_norm.restype = None
             lib.radixkv_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _int]
             lib.radixkv_silu_mul.restype = None
-            lib.radixkv_rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
+            lib.radixkv_rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
             lib.radixkv_rope.restype = None
             lib.radixkv_sgemm_small.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
             lib.radixkv_sgemm_small.restype = None
@@ -106,10 +106,10 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_qk_norm.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, f, _int]
             lib.radixkv_qk_norm.restype = None
             lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _ptr, _ptr,
-                                                 _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]  # fmt: skip
+                                                 _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]  # fmt: skip
             lib.radixkv_native_layer.restype = _int
             lib.radixkv_native_decode.argtypes = [_ptr, _i64, _i64, f, ctypes.POINTER(QLayer), _i64, _i64, _i64, _i64,
-                                                  _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _int]  # fmt: skip
+                                                  _i64, _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _int]  # fmt: skip
             lib.radixkv_native_decode.restype = _int
             _libraries[portable] = lib
         return _libraries[portable]
@@ -271,9 +271,11 @@ class Steps:
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotary embedding in place on the first ``heads`` heads of each row of ``x``
-        (``[n, >= heads * head_dim]``, half-split layout); ``cos``/``sin`` ``[n, head_dim]``."""
+        (``[n, >= heads * head_dim]``, half-split layout) over the first ``rot`` dims of
+        each head; ``cos``/``sin`` ``[n, rot]`` (``rot < head_dim``: partial rotary)."""
         cos, sin = cos.contiguous(), sin.contiguous()
-        self._lib.radixkv_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
+        self._lib.radixkv_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.shape[1], cos.data_ptr(),
+                               sin.data_ptr())  # fmt: skip
 
     def qk_norm_(self, x: torch.Tensor, heads: tuple[int, int], head_dim: int, q_norm: torch.Tensor,
                  k_norm: torch.Tensor, eps: float) -> None:
@@ -290,8 +292,8 @@ class Steps:
         ``[n, hidden]``, updated in place): with ``attn`` (``layer``'s attention output),
         its output projection, residual, MLP norm, MLP and residual; then, with
         ``next_layer``, that layer's attention norm, q/k/v projection (and bias), its q/k
-        norms where it has them and RoPE on the q and k heads (``heads``: (hq, hkv)),
-        returned ``[n, qkv rows]``. The same arithmetic,
+        norms where it has them and RoPE on the q and k heads (``heads``: (hq, hkv); over
+        the first ``cos.shape[1]`` dims of each), returned ``[n, qkv rows]``. The same arithmetic,
         bit for bit, as ``PackedMatrix.linear`` and the steps above one by one. ``layer``,
         ``next_layer``: ``LayerWeights`` whose matrices are ``PackedMatrix``."""
         n, hidden = x.shape
@@ -308,7 +310,8 @@ class Steps:
         hq, hkv = heads
         status = self._lib.radixkv_native_layer(
             x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, hq, hq + hkv,
-            head_dim, cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(), torch.get_num_threads(),
+            head_dim, cos.shape[1], cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the native layer could not allocate its scratch buffers")
@@ -320,11 +323,12 @@ class Steps:
         hidden]``, becomes the last layer's residual in place): per layer the new K/V rows
         written into the float32 pool at ``slots`` (``[n]`` int64), ``attention`` (the CPU
         kernel, ``CpuBackend.decode_kernel``), and ``native_layer``'s stretch. ``layers``:
-        ``QLayer`` per layer; ``heads``: (query heads, KV heads, head dim)."""
+        ``QLayer`` per layer; ``heads``: (query heads, KV heads, head dim); ``cos``/``sin``
+        ``[n, rot]``, RoPE over the first ``rot`` dims of each head."""
         n, hidden = x.shape
         hq, hkv, d = heads
         status = self._lib.radixkv_native_decode(x.data_ptr(), n, hidden, eps, layers, len(layers), hq, hkv, d,
-                                                 cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                                 cos.shape[1], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                                  ctypes.byref(attention), torch.get_num_threads())  # fmt: skip
         if status == -2:
             raise MemoryError("the native decode step could not allocate its scratch buffers")

@@ -278,11 +278,12 @@ def test_native_weights_of_a_quantized_gguf_follow_its_fp32_expansion(tmp_path, 
 
 
 @pytest.mark.parametrize("variant, architecture", [("phi3-fused", "phi3"), ("qwen2-bias", "qwen2"),
-                                                   ("mistral-window", "llama"), ("qwen3-qk-norm", "qwen3")])  # fmt: skip
+                                                   ("mistral-window", "llama"), ("qwen3-qk-norm", "qwen3"),
+                                                   ("phi3-partial-longrope-window", "phi3")])  # fmt: skip
 def test_native_decode_in_one_call_gives_the_bits_of_the_layer_loop(tmp_path, variant, architecture):
-    """Decode steps of a native model whose layers the C calls cover (biases, fused
-    projections, sliding windows, q/k norms; whole-head RoPE) skip the Python layer
-    loop: the same logits, bit for bit, as the step-by-step loop."""
+    """Decode steps of a native model (biases, fused projections, sliding windows, q/k
+    norms, partial rotary) skip the Python layer loop: the same logits, bit for bit, as
+    the step-by-step loop."""
     from gguf import GGMLQuantizationType
 
     from radixkv.kernels import get_backend

@@ -130,6 +130,18 @@ def test_the_native_steps_match_torch():
     half = torch.cat([-heads[..., 4:], heads[..., :4]], -1)
     expected = torch.cat([(heads * cos[:, None] + half * sin[:, None])[:, :2], heads[:, 2:]], 1).reshape(2, -1)
     assert torch.allclose(rotated, expected, atol=1e-6)
+    partial = qk.clone()  # partial rotary (Phi-3): the first 4 of each head's 8 dims, halves of 2
+    weights.Steps().rope_(partial, 3, 8, cos[:, :4], sin[:, :4])
+    lead = heads[..., :4]
+    swapped = torch.cat([-lead[..., 2:], lead[..., :2]], -1)
+    expected = torch.cat([lead * cos[:, None, :4] + swapped * sin[:, None, :4], heads[..., 4:]], -1).reshape(2, -1)
+    assert torch.allclose(partial, expected, atol=1e-6)
+    qk_normed = qk.clone()  # q/k norms (Qwen3): 2 query heads with one weight, the next with the other
+    qn, kn = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    weights.Steps().qk_norm_(qk_normed, (2, 1), 8, qn, kn, 1e-6)
+    rms = torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = (heads * rms * torch.stack([qn, qn, kn])).reshape(2, -1)
+    assert torch.allclose(qk_normed, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_the_thread_count_is_honoured():

@@ -101,11 +101,9 @@ class LlamaModel:
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by local (sliding layers' own base)
         self._act = _ACTIVATIONS[config.hidden_act]
         self._steps = Steps() if self.native else None  # a native model's elementwise steps, in C
-        # decode batches run each layer's stretch between attentions in one C call, which rotates whole heads,
-        # on packed matrices alone
+        # decode batches run each layer's stretch between attentions in one C call, on packed matrices alone
         self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_decode)
-        self._one_call_layers = (self.native and config.rotary_dims == config.head_dim
-                                 and all(isinstance(getattr(w, n), PackedMatrix)
+        self._one_call_layers = (self.native and all(isinstance(getattr(w, n), PackedMatrix)
                                          for w in layers for n in ("qkv", "o", "gate_up", "down")))  # fmt: skip
 
     def _matrices(self) -> list[tuple[str, Matrix]]:
@@ -273,11 +271,7 @@ class LlamaModel:
             qkv = mm(h, w.qkv, w.qkv_bias)  # contiguous rows: the q/k norms and RoPE work in place on them
             if w.q_norm is not None:
                 steps.qk_norm_(qkv, (hq, hkv), d, w.q_norm, w.k_norm, eps)
-            if rot == d:
-                steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place
-            else:  # partial rotary (Phi-3): the leading dims of each head
-                qk = qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d)
-                qk[..., :rot] = _apply_rope(qk[..., :rot], cos[:, None], sin[:, None])
+            steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place (partial rotary: the leading rot dims)
             q, k, v = self._heads(qkv)
             pool.store_kv(i, k, v, batch.out_slots)
             o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i))
@@ -300,7 +294,7 @@ class LlamaModel:
         the K/V stores and that kernel too, with the same arguments, so the same bits)."""
         cfg, steps, layers = self.config, self._steps, self.layers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+        cos, sin = cos.reshape(-1, cfg.rotary_dims).contiguous(), sin.reshape(-1, cfg.rotary_dims).contiguous()
         x = x.contiguous()
         kernel = backend.decode_kernel(pool.view(0))
         if kernel is not None:  # the CPU attention kernel over float32 pages: the whole step in one call
