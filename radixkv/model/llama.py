@@ -285,9 +285,9 @@ class LlamaModel:
 
     def _native_decode_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
         """``_native_layers`` for a batch of decode rows (one new token per sequence) of a
-        plain native model: between two attentions, one C call (``Steps.native_layer``)
-        does the output projection, residual, MLP norm, MLP, residual, the next layer's norm,
-        q/k/v projection and RoPE, with the same arithmetic, bit for bit, as the step-by-step
+        native model whose matrices are all packed: between two attentions, one C call
+        (``Steps.native_layer``) does the output projection, residual, MLP norm, MLP,
+        residual, the next layer's norm, q/k/v projection, q/k norms and RoPE, with the same arithmetic, bit for bit, as the step-by-step
         loop on the kernel path; it saves a decode step the Python and thread wake-ups of
         seven calls per layer. Over float32 pages with the CPU attention kernel
         (``CpuBackend.decode_kernel``) the whole step is one call (``Steps.native_decode``:
