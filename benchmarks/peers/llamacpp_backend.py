@@ -71,6 +71,22 @@ class LlamaCppServer:
         stop(self.proc)
 
 
+def greedy_only(params: dict, who: str) -> None:
+    """The served peers run greedy generation without prompt log-probs."""
+    if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
+        raise ValueError(f"the {who} peer runs greedy generation only")
+
+
+def sse_chunks(response, who: str):
+    """The JSON chunks of a streamed answer (``data: ...`` lines), after its status is checked."""
+    if response.status_code != 200:
+        response.read()
+        raise BackendError(f"{who} answered {response.status_code}: {response.text[:300]}")
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 class LlamaCppBackend(Backend):
     def __init__(self, url: str):
         import httpx
@@ -107,21 +123,15 @@ class LlamaCppBackend(Backend):
         return results
 
     def stream(self, prompt: list[int], params: dict):
-        if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
-            raise ValueError("the llama.cpp peer runs greedy generation only")
+        greedy_only(params, "llama.cpp")
         body = {"prompt": self.tokenizer.decode(prompt), "max_tokens": params.get("max_new_tokens", 128),
                 "temperature": 0.0, "top_k": 1, "stream": True}  # fmt: skip
         if params.get("ignore_eos"):
             body["logit_bias"] = self._no_stop
         t0, ttft, text, tokens, reason = time.perf_counter(), None, [], 0, None
         with self._http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise BackendError(f"llama.cpp answered {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choice = json.loads(line[6:])["choices"][0]
+            for chunk in sse_chunks(r, "llama.cpp"):
+                choice = chunk["choices"][0]
                 if choice.get("finish_reason"):
                     reason = choice["finish_reason"]
                     continue

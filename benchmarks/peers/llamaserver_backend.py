@@ -16,14 +16,13 @@ response's ``timings.cache_n``.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.peers.llamacpp_backend import LlamaCppBackend
+from benchmarks.peers.llamacpp_backend import LlamaCppBackend, greedy_only, sse_chunks
 from radixkv.frontend.backends import BackendError, CallResult, Delta
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -103,8 +102,7 @@ class LlamaServerBackend(SideBySideBackend):
     def stream(self, prompt: list[int], params: dict):
         import httpx
 
-        if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
-            raise ValueError("the llama-server peer runs greedy generation only")
+        greedy_only(params, "llama-server")
         body = {"prompt": prompt, "n_predict": params.get("max_new_tokens", 128), "temperature": 0.0, "top_k": 1,
                 "stream": True, "cache_prompt": True, "return_tokens": True,
                 "ignore_eos": bool(params.get("ignore_eos"))}  # fmt: skip
@@ -117,13 +115,7 @@ class LlamaServerBackend(SideBySideBackend):
                 if attempt == 2:
                     raise
         try:
-            if r.status_code != 200:
-                r.read()
-                raise BackendError(f"llama-server answered {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse_chunks(r, "llama-server"):
                 new = chunk.get("tokens") or []
                 if new and ttft is None:
                     ttft = time.perf_counter() - t0

@@ -21,11 +21,11 @@ emptied between workloads through ``/reset_prefix_cache`` (a development route, 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.peers.llamacpp_backend import greedy_only, sse_chunks
 from benchmarks.peers.llamaserver_backend import SideBySideBackend
 from radixkv.frontend.backends import BackendError, CallResult, Delta
 
@@ -54,7 +54,7 @@ class VllmServer:
 
     reports_cache = True  # usage.prompt_tokens_details.cached_tokens
 
-    def __init__(self, threads: int = 2, block_size: int = BLOCK_SIZE):
+    def __init__(self, threads: int = 2):
         from radixkv.server.process import launch
 
         env = [f"VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}",
@@ -62,7 +62,7 @@ class VllmServer:
         # -P: the repository root is not put on the path (its kernels/ would shadow the package of that name)
         cmd = ["env", *env, str(PYTHON), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(CHECKPOINT),
                "--served-model-name", NAME, "--dtype", "float32", "--enable-prefix-caching",
-               "--enable-prompt-tokens-details", "--block-size", str(block_size)]  # fmt: skip
+               "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE)]  # fmt: skip
         self.proc, url = launch(cmd, "/health", "vLLM", timeout=600)
         self.backend = VllmBackend(url)
 
@@ -83,20 +83,13 @@ class VllmBackend(SideBySideBackend):
         super().__init__(url, 8192, 8)  # the checkpoint's max_position_embeddings; 8 = the busiest workload's clients
 
     def stream(self, prompt: list[int], params: dict):
-        if params.get("temperature", 1.0) != 0 or "prompt_logprobs_from" in params:
-            raise ValueError("the vLLM peer runs greedy generation only")
+        greedy_only(params, "vLLM")
         body = {"model": NAME, "prompt": prompt, "max_tokens": params.get("max_new_tokens", 128),
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True, "ignore_eos": bool(params.get("ignore_eos"))}  # fmt: skip
         t0, ttft, ids, text, cached, reason = time.perf_counter(), None, [], [], 0, None
         with self._http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise BackendError(f"vLLM answered {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse_chunks(r, "vLLM"):
                 if chunk.get("usage"):
                     cached = int((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 for choice in chunk.get("choices") or []:
