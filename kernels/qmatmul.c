@@ -894,14 +894,15 @@ void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_
  * with attn (layer i's attention output [n, o->cols]): x += o(attn); h = norm(x) * mlp_norm;
  * x += down(silu(gate) * up of gate_up(h)); then with next_norm (layer i + 1's attention
  * norm): h = norm(x) * next_norm and qkv_out = qkv(h) (+ qkv_bias), with q_norm the q/k
- * norms on its first q_heads and next rope_heads - q_heads heads, RoPE on the first rot
- * dims of its first rope_heads heads (cos/sin [n, rot]). Without attn (before layer 0) only the second part. The same steps as
- * the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul, radixkv_qk_norm,
- * radixkv_rope, a residual add), so the same bits. Returns 0, or -2 when scratch cannot be allocated. */
+ * norms on its hq query and hkv key heads, RoPE on the first rot dims of those heads
+ * (cos/sin [n, rot]). Without attn (before layer 0) only the second part. The same steps
+ * as the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul,
+ * radixkv_qk_norm, radixkv_rope, a residual add), so the same bits. Returns 0, or -2 when
+ * scratch cannot be allocated. */
 int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const float *attn, const qmat *o,
                          const float *mlp_norm, const qmat *gate_up, const qmat *down, const float *next_norm,
                          const qmat *qkv, const float *qkv_bias, const float *q_norm, const float *k_norm,
-                         int64_t q_heads, int64_t rope_heads, int64_t head_dim, int64_t rot, const float *cos,
+                         int64_t hq, int64_t hkv, int64_t head_dim, int64_t rot, const float *cos,
                          const float *sin, float *qkv_out, int threads) {
     int64_t inter = gate_up ? gate_up->rows / 2 : 0, widest = hidden;
     if (attn && o->cols > widest) widest = o->cols;
@@ -940,8 +941,8 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
                 float *row = qkv_out + r * qkv->rows;
                 if (qkv_bias)
                     for (int64_t j = 0; j < qkv->rows; j++) row[j] += qkv_bias[j];
-                if (q_norm) qk_norm_row(row, q_heads, rope_heads - q_heads, head_dim, q_norm, k_norm, eps);
-                rope_row(row, rope_heads, head_dim, rot, cos + r * rot, sin + r * rot);
+                if (q_norm) qk_norm_row(row, hq, hkv, head_dim, q_norm, k_norm, eps);
+                rope_row(row, hq + hkv, head_dim, rot, cos + r * rot, sin + r * rot);
             }
         }
     }
@@ -992,7 +993,7 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
     float *q = qkv + n * width, *out = q + n * hq * d;
     int status = radixkv_native_layer(x, n, hidden, eps, NULL, NULL, NULL, NULL, NULL, layers[0].attn_norm,
                                       &layers[0].qkv, layers[0].qkv_bias, layers[0].q_norm, layers[0].k_norm, hq,
-                                      hq + hkv, d, rot, cos, sin, qkv, threads);
+                                      hkv, d, rot, cos, sin, qkv, threads);
     for (int64_t i = 0; i < nlayers && status == 0; i++) {
         const qlayer *l = &layers[i], *next = i + 1 < nlayers ? &layers[i + 1] : NULL;
         for (int64_t r = 0; r < n; r++) {
@@ -1008,7 +1009,7 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
             status = radixkv_native_layer(x, n, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
                                           next ? next->attn_norm : NULL, next ? &next->qkv : NULL,
                                           next ? next->qkv_bias : NULL, next ? next->q_norm : NULL,
-                                          next ? next->k_norm : NULL, hq, hq + hkv, d, rot, cos, sin, qkv, threads);
+                                          next ? next->k_norm : NULL, hq, hkv, d, rot, cos, sin, qkv, threads);
     }
     free(qkv);
     return status;

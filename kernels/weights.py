@@ -307,11 +307,9 @@ class Steps:
             before = (next_layer.attn_norm.data_ptr(), ctypes.byref(next_layer.qkv.described),
                       *(None if t is None else t.data_ptr()
                         for t in (next_layer.qkv_bias, next_layer.q_norm, next_layer.k_norm)))  # fmt: skip
-        hq, hkv = heads
         status = self._lib.radixkv_native_layer(
-            x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, hq, hq + hkv,
-            head_dim, cos.shape[1], cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(),
-            torch.get_num_threads(),
+            x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, *heads, head_dim,
+            cos.shape[1], cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the native layer could not allocate its scratch buffers")
