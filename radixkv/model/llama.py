@@ -287,8 +287,8 @@ class LlamaModel:
         """``_native_layers`` for a batch of decode rows (one new token per sequence) of a
         native model whose matrices are all packed: between two attentions, one C call
         (``Steps.native_layer``) does the output projection, residual, MLP norm, MLP,
-        residual, the next layer's norm, q/k/v projection, q/k norms and RoPE, with the same arithmetic, bit for bit, as the step-by-step
-        loop on the kernel path; it saves a decode step the Python and thread wake-ups of
+        residual, the next layer's norm, q/k/v projection, q/k norms and RoPE, with the
+        same arithmetic, bit for bit, as the step-by-step loop on the kernel path; it saves a decode step the Python and thread wake-ups of
         seven calls per layer. Over float32 pages with the CPU attention kernel
         (``CpuBackend.decode_kernel``) the whole step is one call (``Steps.native_decode``:
         the K/V stores and that kernel too, with the same arguments, so the same bits)."""
