@@ -13,15 +13,24 @@ replica's cache flushed before each workload:
     one-cache        one `radixkv serve` whose pool holds the three replicas' capacities together:
                      the hit-rate reference
 
+With ``--store-bytes N`` the replicas also share one LMDB store of N bytes, written
+through (a page one replica computed is found by the others: cross-replica reuse), and
+one-cache gets a store of its own of the same size (the sum of the capacities is then
+the three pools and one store). Every tier is flushed before each workload.
+
 Workloads (radixkv.workloads.programs, greedy with ignore_eos: every system computes the
 same tokens): ``multi_turn``, ``rag``, ``agent``, and ``mixed`` (the three run at once).
 The offered load is fixed: the same programs through the same number of client threads
 (each workload's own), closed loop. Reported: wall seconds, output tok/s, requests/s,
 TTFT p50/p99, prompt-cache hit rate (cached / prompt tokens, as the replicas report per
-request), and each router's hit rate as a percent of one-cache's.
+request), and each router's hit rate as a percent of one-cache's (same seed). With several
+``--seeds`` every seed runs all systems in turn and a summary gives medians over seeds:
+routing under memory pressure is chaotic (a few early choices decide what each replica
+keeps), so one seed's hit rate moves by a few points from run to run.
 
     .venv/bin/python benchmarks/bench_router.py [--scale small] [--workloads multi_turn,mixed]
-        [--systems round-robin,approx,events,sglang,one-cache] [--kv-tokens 2048] [--out benchmarks/out]
+        [--systems round-robin,approx,events,sglang,one-cache] [--kv-tokens 2048] [--store-bytes 0]
+        [--seeds 0,1,2] [--out benchmarks/out]
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -105,15 +115,23 @@ def run_workloads(workloads: list, url: str, replica: str | None = None) -> dict
             "ttft_p99": float(np.percentile(ttfts, 99)) if ttfts else None}  # fmt: skip
 
 
-def flush(urls: list[str]) -> None:
+def flush(urls: list[str], tiers: str = "memory") -> None:
     for u in urls:
         for _ in range(600):
-            if httpx.post(u + "/flush_cache", params={"tiers": "memory"}, timeout=60).status_code == 200:
+            if httpx.post(u + "/flush_cache", params={"tiers": tiers}, timeout=60).status_code == 200:
                 break
             time.sleep(0.1)
 
 
-def start_system(name: str, replicas: list[str], kv_tokens: int, logs: Path, router_args: list[str]):
+def store_args(path: Path, nbytes: int) -> list[str]:
+    """A replica's flags for an LMDB store at ``path`` of ``nbytes``, written through ([] when 0)."""
+    if not nbytes:
+        return []
+    return ["--kv-store", f"lmdb:{path}", "--kv-store-bytes", str(nbytes), "--kv-store-write", "through"]
+
+
+def start_system(name: str, replicas: list[str], kv_tokens: int, logs: Path, router_args: list[str],
+                 store: list[str] = ()):  # fmt: skip
     """(close function, base URL) of one system, or None when it cannot run here."""
     py = sys.executable
     if name in ("round-robin", "approx", "events"):
@@ -140,7 +158,8 @@ def start_system(name: str, replicas: list[str], kv_tokens: int, logs: Path, rou
         proc, url = sglang_router.start(replicas, "cache_aware")
         return (lambda: sglang_router.stop(proc)), url
     if name == "one-cache":
-        server = ServerProcess("--kv-cache-tokens", str(kv_tokens * len(replicas)), log_path=logs / "one-cache.log")
+        server = ServerProcess("--kv-cache-tokens", str(kv_tokens * len(replicas)), *store,
+                               log_path=logs / "one-cache.log")  # fmt: skip
         return server.stop, server.url
     raise ValueError(f"systems: unknown system {name!r} (one of {', '.join(SYSTEMS)})")
 
@@ -152,7 +171,11 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--kv-tokens", type=int, default=2048, help="each replica's pool (one-cache: replicas x this)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--store-bytes", type=int, default=0,
+                    help="an LMDB store of this many bytes shared by the replicas (one-cache: its own); 0: none")
+    ap.add_argument("--seeds", default="0",
+                    help="workload seeds (comma-separated); each seed runs every system in turn, and the summary "
+                         "gives medians over seeds")
     ap.add_argument("--router-args", default="", help="more flags for radixkv router ('--load-weight 0.1')")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = ap.parse_args(argv)
@@ -165,33 +188,49 @@ def main(argv=None) -> int:
     logs = out / "bench_router_logs"
     logs.mkdir(parents=True, exist_ok=True)
 
-    def workloads(name: str) -> list:
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+
+    def workloads(name: str, seed: int) -> list:
         names = MIXED if name == "mixed" else (name,)
-        return [W.make(n, args.seed, scale) for n in names]
+        return [W.make(n, seed, scale) for n in names]
 
     replicas = []
     rows = []
+    tiers = "all" if args.store_bytes else "memory"
+    stores = out / "bench_router_stores"
+    if args.store_bytes:
+        shutil.rmtree(stores, ignore_errors=True)
+        stores.mkdir(parents=True)
+
+    def queried(urls: list[str]) -> list[int]:
+        return [httpx.get(u + "/stats").json()["cache"]["queried_tokens"] for u in urls]
+
     try:
         for i in range(args.replicas):
             ev, rp = free_port(), free_port()
             replicas.append(ServerProcess("--kv-cache-tokens", str(args.kv_tokens), "--kv-events", f"tcp://127.0.0.1:{ev}",
                                           "--kv-events-replay", f"tcp://127.0.0.1:{rp}",
+                                          *store_args(stores / "shared", args.store_bytes),
                                           log_path=logs / f"replica-{i}.log"))  # fmt: skip
         urls = [r.url for r in replicas]
-        for system in systems:
-            started = start_system(system, urls, args.kv_tokens, logs, args.router_args.split())
+        for seed, system in ((seed, system) for seed in seeds for system in systems):
+            started = start_system(system, urls, args.kv_tokens, logs, args.router_args.split(),
+                                   store_args(stores / "one-cache", args.store_bytes))  # fmt: skip
             if started is None:
                 continue
             close, url = started
             try:
                 for wname in args.workloads.split(","):
-                    flush(urls)
-                    print(f"[{system}] {wname} ...", flush=True)
-                    row = {"system": system, "workload": wname, **run_workloads(workloads(wname), url, urls[0] if system == "sglang" else None)}
+                    flush([url] if system == "one-cache" else urls, tiers)
+                    before = queried(urls)
+                    print(f"[{system}] {wname} seed {seed} ...", flush=True)
+                    row = {"system": system, "workload": wname, "seed": seed,
+                           **run_workloads(workloads(wname, seed), url, urls[0] if system == "sglang" else None)}  # fmt: skip
                     if system != "one-cache":
-                        row["per_replica_prompt_tokens"] = [
-                            httpx.get(u + "/stats").json()["cache"]["queried_tokens"] for u in urls
-                        ]  # fmt: skip
+                        row["per_replica_prompt_tokens"] = [a - b for a, b in zip(queried(urls), before)]
                     rows.append(row)
                     print(f"    {row['wall_s']:.1f} s, hit {100 * row['hit_rate']:.1f}%", flush=True)
             finally:
@@ -200,21 +239,44 @@ def main(argv=None) -> int:
         for r in replicas:
             r.stop()
 
-    ref = {r["workload"]: r["hit_rate"] for r in rows if r["system"] == "one-cache"}
-    rr = {r["workload"]: r["tok_s"] for r in rows if r["system"] == "round-robin"}
-    print(f"\nrouters over {args.replicas} radixkv replicas ({args.kv_tokens} KV tokens each), scale {args.scale}, "
-          f"{date.today()}, {platform.machine()} {platform.processor() or ''}\n")  # fmt: skip
-    print("| workload | system | wall s | output tok/s | x round robin | req/s | TTFT p50 s | TTFT p99 s | hit rate | % of one cache |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    # each row against the same seed's one-cache (hit rate) and round robin (throughput)
+    ref = {(r["workload"], r["seed"]): r["hit_rate"] for r in rows if r["system"] == "one-cache"}
+    rr = {(r["workload"], r["seed"]): r["tok_s"] for r in rows if r["system"] == "round-robin"}
     for r in rows:
-        of_ref = f"{100 * r['hit_rate'] / ref[r['workload']]:.1f}" if ref.get(r["workload"]) else "-"
-        x_rr = f"{r['tok_s'] / rr[r['workload']]:.2f}x" if rr.get(r["workload"]) else "-"
-        r["of_one_cache"] = None if of_ref == "-" else float(of_ref)
-        print(f"| {r['workload']} | {r['system']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {x_rr} | {r['req_s']:.2f} | "
-              f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {100 * r['hit_rate']:.1f}% | {of_ref} |")  # fmt: skip
+        key = (r["workload"], r["seed"])
+        r["of_one_cache"] = 100 * r["hit_rate"] / ref[key] if ref.get(key) else None
+        r["x_round_robin"] = r["tok_s"] / rr[key] if rr.get(key) else None
+    store = f", a shared {args.store_bytes / 1e6:.0f} MB LMDB store" if args.store_bytes else ""
+    print(f"\nrouters over {args.replicas} radixkv replicas ({args.kv_tokens} KV tokens each{store}), scale {args.scale}, "
+          f"seeds {args.seeds}, {date.today()}, {platform.machine()} {platform.processor() or ''}\n")  # fmt: skip
+    print("| workload | system | seed | wall s | output tok/s | x round robin | req/s | TTFT p50 s | TTFT p99 s | hit rate | % of one cache |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        x_rr = f"{r['x_round_robin']:.2f}x" if r["x_round_robin"] else "-"
+        of_ref = f"{r['of_one_cache']:.1f}" if r["of_one_cache"] else "-"
+        print(f"| {r['workload']} | {r['system']} | {r['seed']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {x_rr} | "
+              f"{r['req_s']:.2f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {100 * r['hit_rate']:.1f}% | {of_ref} |")  # fmt: skip
+    summary = []
+    if len(seeds) > 1:
+        print(f"\nmedians over seeds {args.seeds}:\n")
+        print("| workload | system | hit rate | % of one cache (min-max) | x round robin |")
+        print("|---|---|---|---|---|")
+        for wname in args.workloads.split(","):
+            for system in systems:
+                got = [r for r in rows if r["workload"] == wname and r["system"] == system]
+                if not got:
+                    continue
+                med = {k: float(np.median([r[k] for r in got])) if all(r[k] is not None for r in got) else None
+                       for k in ("hit_rate", "of_one_cache", "x_round_robin")}  # fmt: skip
+                summary.append({"workload": wname, "system": system, "seeds": len(got), **med})
+                of = [r["of_one_cache"] for r in got]
+                of_s = f"{med['of_one_cache']:.1f} ({min(of):.1f}-{max(of):.1f})" if med["of_one_cache"] else "-"
+                x_rr = f"{med['x_round_robin']:.2f}x" if med["x_round_robin"] else "-"
+                print(f"| {wname} | {system} | {100 * med['hit_rate']:.1f}% | {of_s} | {x_rr} |")
     path = out / "bench_router.json"
     path.write_text(json.dumps({"date": str(date.today()), "scale": args.scale, "replicas": args.replicas,
-                                "kv_tokens": args.kv_tokens, "rows": rows}, indent=1))  # fmt: skip
+                                "kv_tokens": args.kv_tokens, "store_bytes": args.store_bytes, "seeds": seeds,
+                                "rows": rows, "medians": summary}, indent=1))  # fmt: skip
     print(f"\nJSON: {path}")
     return 0
 
