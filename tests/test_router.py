@@ -85,6 +85,23 @@ def test_a_cold_prompt_goes_back_to_its_home():
     assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3).replica == 0
 
 
+def test_a_home_outranks_a_partial_copy_elsewhere():
+    """A conversation routed to replica 0 that lost most of it under pressure goes back there,
+    not to replica 1, which holds a shorter part of it now (a shared system prompt and the
+    first turn): one home per prefix. The expected figures are what replica 0's cache holds."""
+    from radixkv.server.router import remember
+
+    prompt = list(range(1, 200))
+    hashes = block_hashes(prompt, None, PAGE)
+    reps = [replica_holding(prompt[:16]), replica_holding(prompt[:96])]
+    remember(reps[0].history, hashes, 100)
+    remember(reps[1].history, hashes[:6], 100)
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3) == Choice(0, 183.0, 16)
+    # without the history, the replica holding more wins
+    reps[0].history.clear()
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3) == Choice(1, 103.0, 96)
+
+
 def test_pending_pages_count_until_their_events_come():
     prompt = list(range(1, 100))
     hashes = block_hashes(prompt, None, PAGE)

@@ -11,12 +11,13 @@ Modes, per replica:
   tokenizes the prompt with the model's tokenizer and chat template, chains its pages'
   block hashes (``radixkv.cache.events``) and reads from each replica's ``BlockIndex``
   (rebuilt from its events: exact, per tier) how many leading pages it holds on the
-  device and below it (host tier). A replica's cost is the tokens it would prefill
-  (``host_page_cost`` of a page for one promoted from the host tier) plus
-  ``load_weight`` times the prefill still queued there by this router; the lowest wins.
-  Between routing and the replica's events arriving, the routed prompt's pages count as
-  the replica's for ``pending_seconds`` (so a conversation's next turn, or a burst of
-  requests with one prefix, follows it).
+  device and below it (host tier), and from what it routed there before (the prefix's
+  home) how many it sent there. A replica's cost is the tokens it would prefill after
+  the longer of the two runs (``host_page_cost`` of a page for one promoted from the
+  host tier) plus ``load_weight`` times the prefill still queued there by this router;
+  the lowest wins (``choose_by_cost``). Between routing and the replica's events
+  arriving, the routed prompt's pages count as the replica's cache for
+  ``pending_seconds``.
 - **approx** (any replica without events): SGLang's approximate mode. A text prefix tree
   per replica of the prompts routed there (16-character chunks, least recently used out
   past ``max_tree_chars``); when the in-flight requests are imbalanced (max - min >
@@ -178,19 +179,28 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
                    page_size: int, host_page_cost: float, load_weight: float, now: float,
                    cache_threshold: float = 0.0, abs_threshold: int | None = None,
                    rel_threshold: float = 1.5) -> Choice:  # fmt: skip
-    """Events mode. Each candidate's cost is the tokens it would prefill (its cached run
-    read from its index, a host-tier page at ``host_page_cost``) plus ``load_weight`` x
-    the prefill queued there. SGLang's structure around it: in-flight requests imbalanced
-    past the thresholds -> the least loaded; else a candidate holding more than
-    ``cache_threshold`` of the prompt -> the least cost; else (a cold prompt) its home
-    (the replica it was routed to before), else the one with the fewest routed pages
-    remembered, so cold work spreads as SGLang's smallest tree spreads it. Ties: fewest
-    in flight, then the lowest index."""
+    """Events mode. A candidate's run is the longer of what its cache holds (its index,
+    plus pages routed there whose events are still pending) and what this router routed
+    there before (its history: the prefix's *home*); its cost is the tokens it would
+    prefill after that run (a host-tier page at ``host_page_cost``) plus ``load_weight``
+    x the prefill queued there. SGLang's structure around it: in-flight requests
+    imbalanced past the thresholds -> the least loaded; else a candidate whose run
+    covers more than ``cache_threshold`` of the prompt -> the least cost; else (a cold
+    prompt) the one with the fewest routed pages remembered, so cold work spreads as
+    SGLang's smallest tree spreads it. Ties: fewest in flight, then the lowest index.
+
+    The home counts as much as the cache because under memory pressure a replica loses
+    a prefix between uses: sending it home again keeps one copy of each prefix, where
+    following whichever replica happens to hold part of it now makes copies everywhere
+    (3 replicas, the mixed workload of ``bench_router.py``, 3 seeds: 35-39% hits routing
+    on the caches alone, 39-40% with homes). The returned ``prefill`` and ``cached`` are
+    what the cache holds."""
     rows = []
     for i in candidates:
         r = replicas[i]
         with r.lock:
             ov = r.index.match(hashes)
+            home = leading(hashes, r.history)
             routed = len(r.history)
         device, lower = ov.device, ov.lower
         if r.pending and device + lower < len(hashes):  # just routed here, its events not in yet
@@ -198,22 +208,18 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
             while n < len(hashes) and r.pending.get(hashes[n], 0.0) > now:
                 n += 1
             device = n - lower
-        cached = min((device + lower) * page_size, max(prompt_tokens - 1, 0))
-        prefill = prompt_tokens - cached + host_page_cost * lower * page_size
-        rows.append((prefill + load_weight * r.queued_tokens, r.inflight, i, routed, Choice(i, prefill, cached)))
+        limit = max(prompt_tokens - 1, 0)
+        cached = min((device + lower) * page_size, limit)
+        lower_cost = host_page_cost * lower * page_size
+        run = max(cached, min(home * page_size, limit))
+        prefill = prompt_tokens - cached + lower_cost
+        cost = prompt_tokens - run + lower_cost + load_weight * r.queued_tokens
+        rows.append((cost, r.inflight, i, routed, run, Choice(i, prefill, cached)))
     if abs_threshold is not None and imbalanced([row[1] for row in rows], abs_threshold, rel_threshold):
-        return min(rows, key=lambda row: (row[1], row[0], row[2]))[4]
-    best_cached = max(row[4].cached for row in rows)
-    if prompt_tokens and best_cached <= cache_threshold * prompt_tokens:
-        # a cold prompt: back to the replica it was routed to before, if any (its cache lost it
-        # under pressure; sending it there again keeps one home per prefix instead of copies),
-        # else the replica with the fewest routed pages remembered
-        homes = [(leading(hashes, replicas[row[2]].history), row) for row in rows]
-        pages, row = max(homes, key=lambda h: (h[0], -h[1][1], -h[1][2]))
-        if pages * page_size > cache_threshold * prompt_tokens:
-            return row[4]
-        return min(rows, key=lambda row: (row[3], row[1], row[2]))[4]
-    return min(rows, key=lambda row: row[:3])[4]
+        return min(rows, key=lambda row: (row[1], row[0], row[2]))[5]
+    if prompt_tokens and max(row[4] for row in rows) <= cache_threshold * prompt_tokens:
+        return min(rows, key=lambda row: (row[3], row[1], row[2]))[5]  # cold: the fewest routed pages
+    return min(rows, key=lambda row: row[:3])[5]
 
 
 def imbalanced(loads: list[int], abs_threshold: int, rel_threshold: float) -> bool:
