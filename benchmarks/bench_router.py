@@ -36,6 +36,7 @@ keeps), so one seed's hit rate moves by a few points from run to run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import shutil
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
                                           *store_args(stores / "shared", args.store_bytes),
                                           log_path=logs / f"replica-{i}.log"))  # fmt: skip
         urls = [r.url for r in replicas]
-        for seed, system in ((seed, system) for seed in seeds for system in systems):
+        for seed, system in itertools.product(seeds, systems):
             started = start_system(system, urls, args.kv_tokens, logs, args.router_args.split(),
                                    store_args(stores / "one-cache", args.store_bytes))  # fmt: skip
             if started is None:
@@ -252,8 +253,8 @@ def main(argv=None) -> int:
     print("| workload | system | seed | wall s | output tok/s | x round robin | req/s | TTFT p50 s | TTFT p99 s | hit rate | % of one cache |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        x_rr = f"{r['x_round_robin']:.2f}x" if r["x_round_robin"] else "-"
-        of_ref = f"{r['of_one_cache']:.1f}" if r["of_one_cache"] else "-"
+        x_rr = "-" if r["x_round_robin"] is None else f"{r['x_round_robin']:.2f}x"
+        of_ref = "-" if r["of_one_cache"] is None else f"{r['of_one_cache']:.1f}"
         print(f"| {r['workload']} | {r['system']} | {r['seed']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {x_rr} | "
               f"{r['req_s']:.2f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {100 * r['hit_rate']:.1f}% | {of_ref} |")  # fmt: skip
     summary = []
@@ -270,8 +271,8 @@ def main(argv=None) -> int:
                        for k in ("hit_rate", "of_one_cache", "x_round_robin")}  # fmt: skip
                 summary.append({"workload": wname, "system": system, "seeds": len(got), **med})
                 of = [r["of_one_cache"] for r in got]
-                of_s = f"{med['of_one_cache']:.1f} ({min(of):.1f}-{max(of):.1f})" if med["of_one_cache"] else "-"
-                x_rr = f"{med['x_round_robin']:.2f}x" if med["x_round_robin"] else "-"
+                of_s = "-" if med["of_one_cache"] is None else f"{med['of_one_cache']:.1f} ({min(of):.1f}-{max(of):.1f})"
+                x_rr = "-" if med["x_round_robin"] is None else f"{med['x_round_robin']:.2f}x"
                 print(f"| {wname} | {system} | {100 * med['hit_rate']:.1f}% | {of_s} | {x_rr} |")
     path = out / "bench_router.json"
     path.write_text(json.dumps({"date": str(date.today()), "scale": args.scale, "replicas": args.replicas,
