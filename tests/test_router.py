@@ -55,7 +55,7 @@ def test_cost_picks_the_replica_holding_the_prefix():
     from radixkv.server.router import remember
 
     salted = block_hashes(prompt, "tenant", PAGE)
-    reps = [replica_holding(doc, inflight=0), replica_holding(doc[:16], inflight=3)]
+    reps = [replica_holding(doc, inflight=1), replica_holding(doc[:16], inflight=1)]
     remember(reps[0].history, block_hashes(doc, None, PAGE), 100)
     assert choose_by_cost(reps, [0, 1], salted, len(prompt), PAGE, 0.2, 1.0, 0.0) == Choice(1, 180.0, 0)
     # under cache_threshold of the prompt cached counts as cold too; imbalance goes to the least loaded
@@ -83,6 +83,40 @@ def test_a_cold_prompt_goes_back_to_its_home():
     assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3).replica == 1
     remember(reps[1].history, list(range(1000, 1100)), 100)  # pushed out of the bounded history
     assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 1.0, 0.0, 0.3).replica == 0
+
+
+def test_a_cold_prompt_goes_where_the_least_is_running():
+    """Three replicas, four conversations: the first one's three turns are done (its replica
+    has the most routed pages and nothing in flight), two more run on the other replicas.
+    The fourth goes beside the finished one, not beside a running one; among replicas
+    running as much, to the fewest routed pages."""
+    from radixkv.server.router import remember
+
+    prompt = list(range(1, 600))
+    hashes = block_hashes(prompt, None, PAGE)
+    reps = [replica_holding(list(range(1000, 1960))), replica_holding(list(range(2000, 2480)), inflight=1),
+            replica_holding(list(range(3000, 3400)), inflight=1)]  # fmt: skip
+    for r, base, n in zip(reps, (1000, 2000, 3000), (960, 480, 400)):
+        remember(r.history, block_hashes(list(range(base, base + n)), None, PAGE), 1000)
+    assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3).replica == 0
+    reps[0].inflight = 1
+    assert choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3).replica == 2
+
+
+def test_equal_runs_go_to_the_fewest_routed_pages():
+    """Two replicas hold the same prefix (a long shared system prompt): the cost is equal, so
+    the one running less, then the one with fewer routed pages, takes the prompt."""
+    from radixkv.server.router import remember
+
+    system = list(range(1, 321))
+    prompt = system + list(range(5000, 5100))
+    hashes = block_hashes(prompt, None, PAGE)
+    reps = [replica_holding(system), replica_holding(system)]
+    remember(reps[0].history, block_hashes(system + list(range(7000, 7800)), None, PAGE), 1000)
+    remember(reps[1].history, block_hashes(system, None, PAGE), 1000)
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3) == Choice(1, 100.0, 320)
+    reps[1].inflight = 2
+    assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3).replica == 0
 
 
 def test_a_home_outranks_a_partial_copy_elsewhere():

@@ -185,16 +185,19 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
     prefill after that run (a host-tier page at ``host_page_cost``) plus ``load_weight``
     x the prefill queued there. SGLang's structure around it: in-flight requests
     imbalanced past the thresholds -> the least loaded; else a candidate whose run
-    covers more than ``cache_threshold`` of the prompt -> the least cost; else (a cold
-    prompt) the one with the fewest routed pages remembered, so cold work spreads as
-    SGLang's smallest tree spreads it. Ties: fewest in flight, then the lowest index.
+    covers more than ``cache_threshold`` of the prompt -> the least cost (ties: fewest in
+    flight, fewest routed pages, lowest index); else (a cold prompt) the fewest in
+    flight, then the fewest routed pages remembered, then the lowest index.
 
     The home counts as much as the cache because under memory pressure a replica loses
     a prefix between uses: sending it home again keeps one copy of each prefix, where
-    following whichever replica happens to hold part of it now makes copies everywhere
-    (3 replicas, the mixed workload of ``bench_router.py``, 3 seeds: 35-39% hits routing
-    on the caches alone, 39-40% with homes). The returned ``prefill`` and ``cached`` are
-    what the cache holds."""
+    following whichever replica happens to hold part of it now makes copies everywhere.
+    A cold prompt starts a new working set: it goes where the least is running, since
+    what a replica whose programs have finished holds is the least likely to be asked
+    for again, however much was routed there (routed pages alone, SGLang's smallest tree, put a
+    fourth conversation beside a running one while a finished one's replica sat idle).
+    Measured in benchmarks/RESULTS.md (routers). The returned ``prefill`` and ``cached``
+    are what the cache holds."""
     rows = []
     for i in candidates:
         r = replicas[i]
@@ -217,9 +220,12 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
         rows.append((cost, r.inflight, i, routed, run, Choice(i, prefill, cached)))
     if abs_threshold is not None and imbalanced([row[1] for row in rows], abs_threshold, rel_threshold):
         return min(rows, key=lambda row: (row[1], row[0], row[2]))[5]
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("candidates (replica, run, cost, in flight, routed pages): %s",
+                     [(row[2], row[4], round(row[0]), row[1], row[3]) for row in rows])  # fmt: skip
     if prompt_tokens and max(row[4] for row in rows) <= cache_threshold * prompt_tokens:
-        return min(rows, key=lambda row: (row[3], row[1], row[2]))[5]  # cold: the fewest routed pages
-    return min(rows, key=lambda row: row[:3])[5]
+        return min(rows, key=lambda row: (row[1], row[3], row[2]))[5]  # cold: the fewest in flight, routed pages
+    return min(rows, key=lambda row: (row[0], row[1], row[3], row[2]))[5]
 
 
 def imbalanced(loads: list[int], abs_threshold: int, rel_threshold: float) -> bool:
@@ -490,6 +496,10 @@ class Router:
             for h in hashes:
                 r.pending[h] = until
             remember(r.history, hashes, max(cfg.max_tree_chars // ps, 1))
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("route %d tokens (pages %s) -> replica %d: cached %d, prefill %.0f", len(ids),
+                             " ".join(f"{h:x}"[:6] for h in hashes[:3]), choice.replica, choice.cached,
+                             choice.prefill)  # fmt: skip
             return choice
         i = choose_approx(self.replicas, cands, text, cfg.cache_threshold, cfg.balance_abs_threshold,
                           cfg.balance_rel_threshold)  # fmt: skip
