@@ -136,6 +136,30 @@ def test_a_home_outranks_a_partial_copy_elsewhere():
     assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3) == Choice(1, 103.0, 96)
 
 
+def test_a_shared_store_counts_for_every_replica_writing_to_it():
+    """Two replicas write to one store; a third has none. A prompt whose pages one of them
+    wrote (and both lost from memory) is a store read on either of the two, at
+    store_page_cost a page: warm on both, so the one running less takes it; the replica
+    still holding a page in memory pays less for it; the third would compute it all."""
+    from radixkv.server.router import SharedStore
+
+    doc = list(range(1, 161))  # 10 pages
+    prompt = doc + [7] * 20
+    hashes = block_hashes(prompt, None, PAGE)
+    store = SharedStore("lmdb:/kv", limit=100)
+    reps = [replica_holding(inflight=2), replica_holding(inflight=1), replica_holding()]
+    reps[0].store = reps[1].store = store
+    store.add(hashes[:10])
+    assert store.run(hashes, 0) == 10 and store.run(hashes, 4) == 6
+    c = choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3, store_page_cost=0.1)
+    assert c == Choice(1, 20 + 0.1 * 160, 160)
+    reps[0].index = replica_holding(doc[:64]).index  # 4 pages in replica 0's memory, 6 from the store
+    c = choose_by_cost(reps, [0, 1, 2], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3, store_page_cost=0.1)
+    assert c.replica == 0 and c.cached == 160 and c.prefill == pytest.approx(20 + 0.1 * 96)
+    store.add(list(range(10**6, 10**6 + 100)))  # written since: the oldest pages count as gone
+    assert store.run(hashes, 0) == 0 and len(store) == 100
+
+
 def test_pending_pages_count_until_their_events_come():
     prompt = list(range(1, 100))
     hashes = block_hashes(prompt, None, PAGE)

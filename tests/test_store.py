@@ -206,6 +206,21 @@ def test_open_store_names_the_field_on_bad_specs(tmp_path):
 # -- verified pages ------------------------------------------------------------------------
 
 
+def test_a_redis_password_never_shows(redis_server):
+    """The spec /stats and the router show, and the error of a server that cannot be
+    reached, name the server but never the password."""
+    url = redis_server.url.replace("redis://", "redis://:hunter2@")
+    kv = S.open_store(url)
+    assert kv.spec == redis_server.url.replace("redis://", "redis://:***@")
+    assert kv.longest_prefix([b"k" * 32]) == 0  # the server has no password: it serves
+    from radixkv.server.process import free_port
+
+    gone = S.open_store(f"redis://:hunter2@127.0.0.1:{free_port()}/0")
+    with pytest.raises(S.StoreUnavailable) as e:
+        gone.longest_prefix([b"k" * 32])
+    assert "hunter2" not in str(e.value) and ":***@127.0.0.1:" in str(e.value)
+
+
 def test_page_store_refuses_deletes_and_counts_bad_entries(kv_engine):
     pages = S.PageStore(kv_engine, LAYOUT, secret=b"ours")
     keys = S.page_keys(seed(), range(6), 2)

@@ -355,6 +355,22 @@ class LMDBStore(KVStore):
         return tick
 
 
+def masked_url(url: str) -> str:
+    """``url`` with its password (if any) shown as ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "redis://***"
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}{port}"))
+
+
 class RedisStore(KVStore):
     """Entries in a Redis or Valkey server (``redis://HOST:PORT/DB``), under
     ``radixkv:kv:<key>``. The server bounds them: set its ``maxmemory`` and an LRU
@@ -366,7 +382,7 @@ class RedisStore(KVStore):
     def __init__(self, url: str, timeout_s: float = 2.0):
         import redis
 
-        self.spec, self._redis = url, redis
+        self.spec, self._redis = masked_url(url), redis  # what /stats and errors show: never the password
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
     def _guard(self, fn):

@@ -14,8 +14,12 @@ Modes, per replica:
   device and below it (host tier), and from what it routed there before (the prefix's
   home) how many it sent there. A replica's cost is the tokens it would prefill after
   the longer of the two runs (``host_page_cost`` of a page for one promoted from the
-  host tier) plus ``load_weight`` times the prefill still queued there by this router;
-  the lowest wins (``choose_by_cost``). Between routing and the replica's events
+  host tier, ``store_page_cost`` for one read from a store) plus ``load_weight`` times
+  the prefill still queued there by this router; the lowest wins (``choose_by_cost``).
+  Replicas whose ``/stats`` name the same store (``--kv-store``) share it: what any of
+  them wrote there (from their events: every page stored, with ``--kv-store-write
+  through``; every page leaving memory, with ``back``) counts for all of them, past
+  what each holds in memory. Between routing and the replica's events
   arriving, the routed prompt's pages count as the replica's cache for
   ``pending_seconds``.
 - **approx** (any replica without events): SGLang's approximate mode. A text prefix tree
@@ -51,7 +55,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from radixkv.cache.events import END_SEQ, BlockIndex, block_hashes, decode, leading
+from radixkv.cache.events import END_SEQ, BlockIndex, BlockRemoved, BlockStored, block_hashes, decode, leading
 from radixkv.model.registry import DEFAULT_MODEL
 from radixkv.server import protocol as P
 from radixkv.server.app import ClientGone, Http
@@ -80,6 +84,7 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_chars: int = 1 << 24
     host_page_cost: float = 0.2
+    store_page_cost: float = 0.1
     load_weight: float = 0.0
     pending_seconds: float = 10.0
     health_interval: float = 2.0
@@ -106,6 +111,7 @@ class RouterConfig:
         check_float("cache_threshold", self.cache_threshold, 0.0, 1.0)
         check_float("balance_rel_threshold", self.balance_rel_threshold, 1.0, 1e9)
         check_float("host_page_cost", self.host_page_cost, 0.0, 1.0)
+        check_float("store_page_cost", self.store_page_cost, 0.0, 1.0)
         check_float("load_weight", self.load_weight, 0.0, 1e9)
         for name in ("pending_seconds", "health_interval", "request_timeout"):
             check_float(name, getattr(self, name), 0.0, 1e9, lo_open=name != "pending_seconds")
@@ -151,6 +157,37 @@ class TextTree:
 # -- per replica ---------------------------------------------------------------------------------------------
 
 
+class SharedStore:
+    """The pages replicas wrote to one store (LMDB file, Redis server), as their events
+    tell: a bounded set of block hashes, least recently written out first (the store
+    evicts on its own and does not publish it, so this is an estimate; a page it lost
+    costs a prefill the router expected to save, never a wrong answer)."""
+
+    def __init__(self, spec: str, limit: int):
+        self.spec, self.limit = spec, limit
+        self._pages: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def add(self, hashes: list[int]) -> None:
+        with self._lock:
+            remember(self._pages, hashes, self.limit)
+
+    def run(self, hashes: list[int], start: int) -> int:
+        """How many pages from ``hashes[start]`` on the store holds, in a row."""
+        n = start
+        with self._lock:
+            while n < len(hashes) and hashes[n] in self._pages:
+                n += 1
+        return n - start
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pages.clear()
+
+
 @dataclass
 class Replica:
     url: str
@@ -167,22 +204,25 @@ class Replica:
     expected_hit_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     subscriber: EventSubscriber | None = None
+    store: SharedStore | None = None  # the store it writes to, shared with the replicas naming the same one
+    store_write: str = "through"  # when its pages reach the store: through (when stored) or back (when evicted)
 
 
 class Choice(NamedTuple):
     replica: int
     prefill: float  # tokens the replica is expected to compute
-    cached: int  # tokens expected from its cache (device and below)
+    cached: int  # tokens expected from its cache (device, host tier, store)
 
 
 def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[int], prompt_tokens: int,
                    page_size: int, host_page_cost: float, load_weight: float, now: float,
                    cache_threshold: float = 0.0, abs_threshold: int | None = None,
-                   rel_threshold: float = 1.5) -> Choice:  # fmt: skip
+                   rel_threshold: float = 1.5, store_page_cost: float = 0.1) -> Choice:  # fmt: skip
     """Events mode. A candidate's run is the longer of what its cache holds (its index,
     plus pages routed there whose events are still pending) and what this router routed
     there before (its history: the prefix's *home*); its cost is the tokens it would
-    prefill after that run (a host-tier page at ``host_page_cost``) plus ``load_weight``
+    prefill after that run (a host-tier page at ``host_page_cost``, a page further on
+    in the store it shares with others at ``store_page_cost``) plus ``load_weight``
     x the prefill queued there. SGLang's structure around it: in-flight requests
     imbalanced past the thresholds -> the least loaded; else a candidate whose run
     covers more than ``cache_threshold`` of the prompt -> the least cost (ties: fewest in
@@ -211,9 +251,10 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
             while n < len(hashes) and r.pending.get(hashes[n], 0.0) > now:
                 n += 1
             device = n - lower
+        stored = r.store.run(hashes, device + lower) if r.store is not None else 0
         limit = max(prompt_tokens - 1, 0)
-        cached = min((device + lower) * page_size, limit)
-        lower_cost = host_page_cost * lower * page_size
+        cached = min((device + lower + stored) * page_size, limit)
+        lower_cost = (host_page_cost * lower + store_page_cost * stored) * page_size
         run = max(cached, min(home * page_size, limit))
         prefill = prompt_tokens - cached + lower_cost
         cost = prompt_tokens - run + lower_cost + load_weight * r.queued_tokens
@@ -349,6 +390,12 @@ class EventSubscriber:
         else:
             with self.replica.lock:
                 self.replica.index.apply(batch)
+            store = self.replica.store
+            if store is not None:
+                written = BlockStored if self.replica.store_write == "through" else BlockRemoved
+                for ev in batch.events:
+                    if isinstance(ev, written):
+                        store.add(ev.block_hashes)
         self.next_seq = seq + 1
 
 
@@ -369,6 +416,7 @@ class Router:
         self.replicas = [Replica(u, text=TextTree(config.max_tree_chars)) for u in config.replicas]
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self._rr = itertools.count()
+        self.stores: dict[tuple, SharedStore] = {}  # (spec, KV format) -> what the replicas wrote there
         self.retries = 0
         self.lost = 0
         self._client = None
@@ -430,7 +478,9 @@ class Router:
                 stats = (await self._client.get(r.url + "/stats", headers=headers, timeout=10.0)).json()
                 ev = stats.get("kv_events")
             except Exception:
-                ev = None
+                stats, ev = {}, None
+            if ev:
+                self._join_store(r, stats.get("tiers") or {})
             if ev:
                 r.events = ev
                 r.subscriber = EventSubscriber(r, ev["endpoint"], ev.get("replay_endpoint"), ev.get("topic", "")).start()
@@ -439,6 +489,20 @@ class Router:
         if up != r.up:
             logger.warning("replica %s is %s", r.url, "up" if up else "down")
         r.up = up
+
+    def _join_store(self, r: Replica, tiers: dict) -> None:
+        """Note the store ``r`` writes to (from its /stats ``tiers``), shared with every
+        replica naming the same one in the same KV format; bounded by the store's bytes
+        when it says them."""
+        store = tiers.get("store") or {}
+        if not store.get("spec"):
+            return
+        key = (store["spec"], store.get("kv_format"))
+        if key not in self.stores:
+            max_bytes, page_bytes = store.get("max_bytes"), store.get("page_bytes")
+            limit = max_bytes // page_bytes if max_bytes and page_bytes else self.config.max_tree_chars // 16
+            self.stores[key] = SharedStore(store["spec"], max(int(limit), 1))
+        r.store, r.store_write = self.stores[key], tiers.get("write") or "through"
 
     def _auth(self) -> dict:
         key = self.config.api_key
@@ -488,7 +552,7 @@ class Router:
             now = time.monotonic()
             choice = choose_by_cost(self.replicas, cands, hashes, len(ids), ps, cfg.host_page_cost, cfg.load_weight,
                                     now, cfg.cache_threshold, cfg.balance_abs_threshold,
-                                    cfg.balance_rel_threshold)  # fmt: skip
+                                    cfg.balance_rel_threshold, cfg.store_page_cost)  # fmt: skip
             r = self.replicas[choice.replica]
             until = now + cfg.pending_seconds
             if len(r.pending) > 1 << 20:
@@ -640,6 +704,9 @@ class Router:
                         "index": {"device": len(r.index.device), **{m: len(s) for m, s in r.index.lower.items()},
                                   "batches": r.index.batches},
                         "text_tree_chars": r.text.chars}  # fmt: skip
+                if r.store is not None:
+                    item["store"] = {"spec": r.store.spec, "pages": len(r.store), "limit": r.store.limit,
+                                     "write": r.store_write}  # fmt: skip
                 if r.subscriber is not None:
                     item["index"]["next_seq"] = r.subscriber.next_seq
                     item["index"]["gaps"] = r.subscriber.gaps
@@ -669,6 +736,8 @@ class Router:
         metric("radixkv_router_index_blocks", "gauge", "pages the replica's events say it holds, by medium",
                [(f'{{replica="{r.url}",medium="{m}"}}', n) for r in self.replicas
                 for m, n in (("GPU", len(r.index.device)), *((k, len(s)) for k, s in r.index.lower.items()))])
+        metric("radixkv_router_store_blocks", "gauge", "pages the replicas' events say they wrote to a store they share",
+               [(f'{{store="{st.spec}"}}', len(st)) for st in self.stores.values()])  # fmt: skip
         metric("radixkv_router_retries_total", "counter", "requests sent again after their replica failed",
                [("", self.retries)])  # fmt: skip
         metric("radixkv_router_lost_total", "counter", "requests no replica could serve", [("", self.lost)])
@@ -698,6 +767,7 @@ HELP = {
     "balance_rel_threshold": "approx mode: and the busiest has this many times the idlest's",
     "max_tree_chars": "approx mode: characters each replica's text tree keeps (least recently used out)",
     "host_page_cost": "events mode: what a page in a replica's host tier costs, as a share of computing it",
+    "store_page_cost": "events mode: what a page in a store the replicas write to costs, as a share of computing it",
     "load_weight": "events mode: weight of the prefill tokens already queued at a replica against the tokens "
                    "a request would prefill there (0: load counts through the balance thresholds only; replicas "
                    "that share compute gain nothing from spreading prefill)",
