@@ -58,7 +58,7 @@ def test_a_prefix_both_replicas_lost_is_routed_as_a_store_read(tmp_path):
         assert expected >= pages * 16 - 16  # the router counted the store's pages (nothing was in memory)
         assert cached >= expected - 16  # and the replica read them from the store
         text = http.get("/metrics").text
-        assert f'radixkv_router_store_blocks{{store="{stores[0]["spec"]}"}}' in text
+        assert f'radixkv_router_store_blocks{{store="{stores[0]["spec"]}",kv_format=' in text
         http.close()
     finally:
         assert stop(proc, timeout=60) == 0

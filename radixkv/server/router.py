@@ -163,8 +163,8 @@ class SharedStore:
     evicts on its own and does not publish it, so this is an estimate; a page it lost
     costs a prefill the router expected to save, never a wrong answer)."""
 
-    def __init__(self, spec: str, limit: int):
-        self.spec, self.limit = spec, limit
+    def __init__(self, spec: str, limit: int, kv_format: str = ""):
+        self.spec, self.limit, self.kv_format = spec, limit, kv_format
         self._pages: OrderedDict[int, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -182,10 +182,6 @@ class SharedStore:
             while n < len(hashes) and hashes[n] in self._pages:
                 n += 1
         return n - start
-
-    def clear(self) -> None:
-        with self._lock:
-            self._pages.clear()
 
 
 @dataclass
@@ -234,10 +230,10 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
     following whichever replica happens to hold part of it now makes copies everywhere.
     A cold prompt starts a new working set: it goes where the least is running, since
     what a replica whose programs have finished holds is the least likely to be asked
-    for again, however much was routed there (routed pages alone, SGLang's smallest tree, put a
-    fourth conversation beside a running one while a finished one's replica sat idle).
-    Measured in benchmarks/RESULTS.md (routers). The returned ``prefill`` and ``cached``
-    are what the cache holds."""
+    for again, however much was routed there (routed pages alone, SGLang's smallest
+    tree, put a fourth conversation beside a running one while a finished one's replica
+    sat idle). Measured in benchmarks/RESULTS.md (routers). The returned ``prefill`` and
+    ``cached`` are what the cache holds."""
     rows = []
     for i in candidates:
         r = replicas[i]
@@ -481,7 +477,6 @@ class Router:
                 stats, ev = {}, None
             if ev:
                 self._join_store(r, stats.get("tiers") or {})
-            if ev:
                 r.events = ev
                 r.subscriber = EventSubscriber(r, ev["endpoint"], ev.get("replay_endpoint"), ev.get("topic", "")).start()
             else:
@@ -501,7 +496,7 @@ class Router:
         if key not in self.stores:
             max_bytes, page_bytes = store.get("max_bytes"), store.get("page_bytes")
             limit = max_bytes // page_bytes if max_bytes and page_bytes else self.config.max_tree_chars // 16
-            self.stores[key] = SharedStore(store["spec"], max(int(limit), 1))
+            self.stores[key] = SharedStore(store["spec"], max(int(limit), 1), str(store.get("kv_format") or ""))
         r.store, r.store_write = self.stores[key], tiers.get("write") or "through"
 
     def _auth(self) -> dict:
@@ -737,11 +732,17 @@ class Router:
                [(f'{{replica="{r.url}",medium="{m}"}}', n) for r in self.replicas
                 for m, n in (("GPU", len(r.index.device)), *((k, len(s)) for k, s in r.index.lower.items()))])
         metric("radixkv_router_store_blocks", "gauge", "pages the replicas' events say they wrote to a store they share",
-               [(f'{{store="{st.spec}"}}', len(st)) for st in self.stores.values()])  # fmt: skip
+               [(f'{{store="{_label(st.spec)}",kv_format="{_label(st.kv_format)}"}}', len(st))
+                for st in self.stores.values()])  # fmt: skip
         metric("radixkv_router_retries_total", "counter", "requests sent again after their replica failed",
                [("", self.retries)])  # fmt: skip
         metric("radixkv_router_lost_total", "counter", "requests no replica could serve", [("", self.lost)])
         return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """``value`` as a Prometheus label value (backslash, quote and newline escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _content_text(content) -> str:
