@@ -119,6 +119,24 @@ def test_equal_runs_go_to_the_fewest_routed_pages():
     assert choose_by_cost(reps, [0, 1], hashes, len(prompt), PAGE, 0.2, 0.0, 0.0, 0.3).replica == 0
 
 
+def test_events_mode_follows_a_run_past_its_own_threshold():
+    """The router's events mode follows an exact run over ``events_cache_threshold`` (0.1)
+    of the prompt, not SGLang's 0.3 for its approximate text tree: a replica holding 20%
+    of the prompt takes it though another runs less; at 0.3 the prompt is cold."""
+    from radixkv.server.router import Router, RouterConfig
+
+    prompt = list(range(1, 801))  # 50 pages; replica 1 holds the first 10
+    for threshold, want in ((None, 1), (0.3, 0)):
+        extra = {} if threshold is None else {"events_cache_threshold": threshold}
+        router = Router(RouterConfig(replicas=("http://127.0.0.1:1", "http://127.0.0.1:2"), **extra))
+        router.replicas[0] = replica_holding()
+        router.replicas[1] = replica_holding(prompt[:160], inflight=2)
+        for r in router.replicas:
+            r.up, r.events = True, {"endpoint": "tcp://127.0.0.1:1"}
+        assert router.mode == "events"
+        assert router.route("/generate", {"input_ids": prompt}, None, set()).replica == want
+
+
 def test_a_home_outranks_a_partial_copy_elsewhere():
     """A conversation routed to replica 0 that lost most of it under pressure goes back there,
     not to replica 1, which holds a shorter part of it now (a shared system prompt and the

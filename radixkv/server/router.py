@@ -80,6 +80,7 @@ class RouterConfig:
     policy: str = "cache_aware"
     mode: str = "auto"  # auto: events where every replica publishes them, else approx
     cache_threshold: float = 0.3
+    events_cache_threshold: float = 0.1
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     max_tree_chars: int = 1 << 24
@@ -109,6 +110,7 @@ class RouterConfig:
         check_int("max_tree_chars", self.max_tree_chars, 1)
         check_int("max_body_bytes", self.max_body_bytes, 1)
         check_float("cache_threshold", self.cache_threshold, 0.0, 1.0)
+        check_float("events_cache_threshold", self.events_cache_threshold, 0.0, 1.0)
         check_float("balance_rel_threshold", self.balance_rel_threshold, 1.0, 1e9)
         check_float("host_page_cost", self.host_page_cost, 0.0, 1.0)
         check_float("store_page_cost", self.store_page_cost, 0.0, 1.0)
@@ -546,7 +548,7 @@ class Router:
             hashes = block_hashes(ids, salt, ps)
             now = time.monotonic()
             choice = choose_by_cost(self.replicas, cands, hashes, len(ids), ps, cfg.host_page_cost, cfg.load_weight,
-                                    now, cfg.cache_threshold, cfg.balance_abs_threshold,
+                                    now, cfg.events_cache_threshold, cfg.balance_abs_threshold,
                                     cfg.balance_rel_threshold, cfg.store_page_cost)  # fmt: skip
             r = self.replicas[choice.replica]
             until = now + cfg.pending_seconds
@@ -763,6 +765,8 @@ HELP = {
               "round_robin",
     "mode": "auto (events where every replica publishes KV events, else approx), events, approx",
     "cache_threshold": "approx mode: the share of a prompt the best replica's text tree must match to win",
+    "events_cache_threshold": "events mode: the share of a prompt the best replica's run (cache or home) must cover "
+                              "to route by cost; at or below it the prompt is cold (fewest in flight wins)",
     "balance_abs_threshold": "approx mode: in-flight requests between the busiest and idlest replica past which the "
                              "idlest wins (with balance_rel_threshold)",
     "balance_rel_threshold": "approx mode: and the busiest has this many times the idlest's",
