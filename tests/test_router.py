@@ -216,6 +216,14 @@ def test_approx_mode_follows_sglang_rules():
     assert tree.chars <= 64
 
 
+def test_metric_labels_are_escaped():
+    """A replica URL (or store spec) with a quote or backslash stays one label value."""
+    from radixkv.server.router import Router, RouterConfig
+
+    text = Router(RouterConfig(replicas=('http://127.0.0.1:1/a"b\\c',))).metrics()
+    assert 'radixkv_router_replica_up{replica="http://127.0.0.1:1/a\\"b\\\\c"} 0' in text
+
+
 # -- real processes -------------------------------------------------------------------------------------------------
 
 
@@ -346,3 +354,4 @@ def test_a_killed_replica_loses_no_request(cluster):
     assert after["retries"] >= 1 and after["lost"] == 0
     assert not after["replicas"][urls.index(victim)]["up"]
     assert http.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+

@@ -720,7 +720,7 @@ class Router:
             lines.append(f"# TYPE {name} {kind}")
             lines.extend(f"{name}{labels} {value}" for labels, value in values)
 
-        per = [(f'{{replica="{r.url}"}}', r) for r in self.replicas]
+        per = [(f'{{replica="{_label(r.url)}"}}', r) for r in self.replicas]
         metric("radixkv_router_replica_up", "gauge", "1 while the replica answers /health",
                [(lb, int(r.up)) for lb, r in per])  # fmt: skip
         metric("radixkv_router_requests_total", "counter", "requests sent to the replica (retries included)",
@@ -731,7 +731,7 @@ class Router:
         metric("radixkv_router_expected_hit_tokens_total", "counter", "prompt tokens routed to a replica holding them",
                [(lb, r.expected_hit_tokens) for lb, r in per])  # fmt: skip
         metric("radixkv_router_index_blocks", "gauge", "pages the replica's events say it holds, by medium",
-               [(f'{{replica="{r.url}",medium="{m}"}}', n) for r in self.replicas
+               [(f'{{replica="{_label(r.url)}",medium="{_label(m)}"}}', n) for r in self.replicas
                 for m, n in (("GPU", len(r.index.device)), *((k, len(s)) for k, s in r.index.lower.items()))])
         metric("radixkv_router_store_blocks", "gauge", "pages the replicas' events say they wrote to a store they share",
                [(f'{{store="{_label(st.spec)}",kv_format="{_label(st.kv_format)}"}}', len(st))
