@@ -38,7 +38,8 @@ def test_a_prefix_both_replicas_lost_is_routed_as_a_store_read(tmp_path):
         state = http.get("/router/state").json()
         stores = [r.get("store") for r in state["replicas"]]
         assert all(stores) and stores[0]["spec"] == stores[1]["spec"] and stores[0]["write"] == "through"
-        assert stores[0]["limit"] > 0  # the store's bytes over a page's bytes
+        page_bytes = httpx.get(state["replicas"][0]["url"] + "/stats").json()["tiers"]["store"]["page_bytes"]
+        assert stores[0]["limit"] == (64 << 20) // page_bytes  # the store's bytes over a page's bytes
 
         def ask() -> int:
             out = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=4, temperature=0)

@@ -179,11 +179,8 @@ class SharedStore:
 
     def run(self, hashes: list[int], start: int) -> int:
         """How many pages from ``hashes[start]`` on the store holds, in a row."""
-        n = start
         with self._lock:
-            while n < len(hashes) and hashes[n] in self._pages:
-                n += 1
-        return n - start
+            return leading(itertools.islice(hashes, start, None), self._pages)
 
 
 @dataclass
@@ -210,6 +207,15 @@ class Choice(NamedTuple):
     replica: int
     prefill: float  # tokens the replica is expected to compute
     cached: int  # tokens expected from its cache (device, host tier, store)
+
+
+class _Candidate(NamedTuple):
+    cost: float
+    inflight: int
+    routed: int  # pages in the replica's routed history
+    replica: int
+    run: int  # tokens: the longer of the cached run and the home run
+    choice: Choice
 
 
 def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[int], prompt_tokens: int,
@@ -256,15 +262,16 @@ def choose_by_cost(replicas: list[Replica], candidates: list[int], hashes: list[
         run = max(cached, min(home * page_size, limit))
         prefill = prompt_tokens - cached + lower_cost
         cost = prompt_tokens - run + lower_cost + load_weight * r.queued_tokens
-        rows.append((cost, r.inflight, i, routed, run, Choice(i, prefill, cached)))
-    if abs_threshold is not None and imbalanced([row[1] for row in rows], abs_threshold, rel_threshold):
-        return min(rows, key=lambda row: (row[1], row[0], row[2]))[5]
+        rows.append(_Candidate(cost, r.inflight, routed, i, run, Choice(i, prefill, cached)))
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("candidates (replica, run, cost, in flight, routed pages): %s",
-                     [(row[2], row[4], round(row[0]), row[1], row[3]) for row in rows])  # fmt: skip
-    if prompt_tokens and max(row[4] for row in rows) <= cache_threshold * prompt_tokens:
-        return min(rows, key=lambda row: (row[1], row[3], row[2]))[5]  # cold: the fewest in flight, routed pages
-    return min(rows, key=lambda row: (row[0], row[1], row[3], row[2]))[5]
+        logger.debug("candidates: %s", [(c.replica, c.run, round(c.cost), c.inflight, c.routed) for c in rows])
+    if abs_threshold is not None and imbalanced([c.inflight for c in rows], abs_threshold, rel_threshold):
+        best = min(rows, key=lambda c: (c.inflight, c.cost, c.replica))
+    elif prompt_tokens and max(c.run for c in rows) <= cache_threshold * prompt_tokens:
+        best = min(rows, key=lambda c: (c.inflight, c.routed, c.replica))  # cold
+    else:
+        best = min(rows, key=lambda c: (c.cost, c.inflight, c.routed, c.replica))
+    return best.choice
 
 
 def imbalanced(loads: list[int], abs_threshold: int, rel_threshold: float) -> bool:
