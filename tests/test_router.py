@@ -325,6 +325,38 @@ def test_metrics_per_replica(cluster):
         assert f'radixkv_router_index_blocks{{replica="{r["url"]}",medium="GPU"}}' in text
 
 
+def test_pins_and_flushes_through_the_router(cluster):
+    """A pin goes where its prompt is routed, /unpin and /flush_cache reach every replica."""
+    _, _, http, state = cluster
+    urls = [r["url"] for r in state["replicas"]]
+    prompt = "".join(f"Pinned fact {i}: {i} squared is {i * i}.\n" for i in range(8)) + "Which fact is pinned?"  # ~7 pages
+    pin = http.post("/pin", json={"text": prompt})
+    assert pin.status_code == 200, pin.text
+    info = pin.json()
+    assert info["pages"] > 0
+    holders = [u for u in urls if any(e["id"] == info["id"] for e in httpx.get(u + "/stats").json()["pins"]["entries"])]
+    assert len(holders) == 1
+    out = http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert out.json()["meta_info"]["cached_tokens"] >= info["tokens"]  # routed to the replica that pinned it
+    gone = http.post("/unpin", json={"id": info["id"]})
+    assert gone.status_code == 200 and gone.json()["unpinned"] == 1
+    assert sorted(a["status"] for a in gone.json()["replicas"]) == [200, 404, 404]  # ids never collide
+    again = http.post("/unpin", json={"id": info["id"]})
+    assert again.status_code == 404 and again.json()["unpinned"] == 0
+    ended = http.post("/unpin", json={"session_id": "no-such-session"})
+    assert ended.status_code == 200 and ended.json()["unpinned"] == 0
+    wait_idle(urls)
+    flushed = http.post("/flush_cache")
+    assert flushed.status_code == 200, flushed.text
+    assert [a["url"] for a in flushed.json()["replicas"]] == urls
+    assert all(r["routed_pages"] == 0 for r in http.get("/router/state").json()["replicas"])
+    assert all(not (t["GPU"] or t["CPU"]) for t in (httpx.get(u + "/debug/kv_blocks").json() for u in urls))
+    deadline = time.monotonic() + 20
+    while any(r["index"]["device"] for r in http.get("/router/state").json()["replicas"]):  # the events follow
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_a_killed_replica_loses_no_request(cluster):
     """Runs last: it kills one replica of the module's cluster."""
     proc, url, http, state = cluster

@@ -1,7 +1,8 @@
 """``radixkv serve --replicas 2`` over one LMDB store written through: the router learns
 from each replica's ``/stats`` which store it writes to, counts what either wrote there
 for both, and a prefix both replicas lost from memory is routed as a store read, which
-the replica serves from the store. Real processes, the official openai client."""
+the replica serves from the store; a flush through the router reaches both replicas and
+the store. Real processes, the official openai client."""
 
 from __future__ import annotations
 
@@ -60,6 +61,17 @@ def test_a_prefix_both_replicas_lost_is_routed_as_a_store_read(tmp_path):
         assert cached >= expected - 16  # and the replica read them from the store
         text = http.get("/metrics").text
         assert f'radixkv_router_store_blocks{{store="{stores[0]["spec"]}",kv_format=' in text
+        # a flush through the router reaches both replicas and empties what the router knew
+        out = http.post("/flush_cache", params={"tiers": "all"})
+        assert out.status_code == 200, out.text
+        assert [(a["url"], a["status"]) for a in out.json()["replicas"]] == [(r["url"], 200) for r in state["replicas"]]
+        after = http.get("/router/state").json()["replicas"]
+        assert [(r["store"]["pages"], r["routed_pages"]) for r in after] == [(0, 0), (0, 0)]
+        wait_for(lambda: all(r["index"]["device"] == 0 for r in http.get("/router/state").json()["replicas"]))
+        assert ask() == 0  # nothing left anywhere, and the router expected nothing
+        assert sum(r["expected_hit_tokens"] for r in http.get("/router/state").json()["replicas"]) == expected + before
+        bad = http.post("/flush_cache", params={"tiers": "disk"})
+        assert bad.status_code == 400 and all(a["body"]["error"]["param"] == "tiers" for a in bad.json()["replicas"])
         http.close()
     finally:
         assert stop(proc, timeout=60) == 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 from dataclasses import dataclass
 
 from radixkv.cache.radix import Node
@@ -119,6 +120,7 @@ class PinRegistry:
         self._by_node: dict[Node, list[str]] = {}  # locked node -> hint ids on it
         self._heap: list[tuple[float, int, str]] = []
         self._ids = itertools.count(1)
+        self._tag = secrets.token_hex(3)
         self._seq = itertools.count()
         self.pending: dict[tuple, int] = {}  # (namespace, key) -> requests holding a PendingPin of it
         # distinct pages under hard / soft entries (paths share nodes; see _changed)
@@ -139,7 +141,9 @@ class PinRegistry:
         return len(self.entries)
 
     def new_id(self, kind: str) -> str:
-        return f"{'pin' if kind in HARD else 'hint'}-{next(self._ids)}"
+        """``pin-<tag>-<n>`` or ``hint-<tag>-<n>``: ``tag`` is random per registry, so ids
+        of replicas behind one router never collide (the router sends ``/unpin`` to all)."""
+        return f"{'pin' if kind in HARD else 'hint'}-{self._tag}-{next(self._ids)}"
 
     @staticmethod
     def prefix_key(kind: str, namespace, key: bytes, session: str | None) -> tuple:

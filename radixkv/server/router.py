@@ -52,6 +52,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
+from urllib.parse import parse_qs
 
 import msgspec
 
@@ -67,6 +68,8 @@ POLICIES = ("cache_aware", "round_robin")
 MODES = ("auto", "events", "approx")
 FORWARD_HEADERS = ("authorization", "x-cache-salt", "x-session-id", "content-type", "accept")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+ROUTED_ROUTES = (*GENERATION_ROUTES, "/pin")  # routed by their prompt: a pin lands where its prompt is served
+BROADCAST_ROUTES = ("/flush_cache", "/unpin")  # sent to every replica: each holds its own cache and pins
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,11 @@ class SharedStore:
     def add(self, hashes: list[int]) -> None:
         with self._lock:
             remember(self._pages, hashes, self.limit)
+
+    def clear(self) -> None:
+        """The store was emptied (a flush through the router)."""
+        with self._lock:
+            self._pages.clear()
 
     def run(self, hashes: list[int], start: int) -> int:
         """How many pages from ``hashes[start]`` on the store holds, in a row."""
@@ -604,6 +612,8 @@ class Router:
             if method == "GET" and path == "/router/state":
                 blocks = b"blocks=1" in scope.get("query_string", b"")
                 return await http.send(200, msgspec.json.encode(self.state(blocks)))
+            if method == "POST" and path in BROADCAST_ROUTES:
+                return await self.broadcast(http, await http.body())
             await self.forward(http, await http.body())
         except P.ApiError as e:
             await http.error(e)
@@ -616,7 +626,7 @@ class Router:
         scope = http.scope
         path = scope["path"]
         parsed: dict = {}
-        if path in GENERATION_ROUTES and scope["method"] == "POST":
+        if path in ROUTED_ROUTES and scope["method"] == "POST":
             try:
                 parsed = msgspec.json.decode(body)
             except msgspec.DecodeError:
@@ -651,6 +661,63 @@ class Router:
             finally:
                 r.inflight -= 1
                 r.queued_tokens -= choice.prefill
+
+    async def broadcast(self, http: Http, body: bytes) -> None:
+        """``/flush_cache`` and ``/unpin``: sent to every replica, as SGLang's router
+        sends ``/flush_cache`` (each replica holds its own cache, pins and sessions; pin
+        ids are unique per replica process). The answer is 200 when every replica that
+        was reached answered 200 (``/unpin`` by id: when one did, the others' 404 being
+        expected), else the first other status; its body lists each replica's answer
+        (``replicas``: ``url``, ``status``, ``body``) and, for ``/unpin``, the entries
+        released in all (``unpinned``). A successful flush also drops what the router
+        knew of the replica's cache: what it routed there (``history``, pending pages),
+        its text tree, and with ``tiers=store`` or ``all`` the shared store's pages (the
+        replicas' events remove the rest)."""
+        import httpx
+
+        scope = http.scope
+        path = scope["path"]
+        query = scope.get("query_string", b"").decode("latin-1")
+        fwd = {k: v for k, v in http.headers.items() if k in FORWARD_HEADERS}
+
+        async def one(r: Replica) -> tuple[int, object]:
+            try:
+                resp = await self._client.post(r.url + path + ("?" + query if query else ""), headers=fwd,
+                                               content=body, timeout=60.0)  # fmt: skip
+            except httpx.TransportError as e:
+                return 502, {"error": {"message": f"replica unreachable: {type(e).__name__}", "type": "router_error"}}
+            try:
+                return resp.status_code, resp.json()
+            except ValueError:
+                return resp.status_code, resp.text
+        answers = await asyncio.gather(*(one(r) for r in self.replicas))
+        statuses = [status for status, _ in answers]
+        out: dict = {"replicas": [{"url": r.url, "status": status, "body": data}
+                                  for r, (status, data) in zip(self.replicas, answers)]}  # fmt: skip
+        if path == "/unpin":
+            out["unpinned"] = sum(int(d.get("unpinned", 0)) for s, d in answers if s == 200 and isinstance(d, dict))
+            by_id = b'"id"' in body and 200 in statuses
+            reached = [s for s in statuses if s != 502]
+            ok = bool(reached) and all(s == 200 or (by_id and s == 404) for s in reached)
+        else:
+            ok = all(s == 200 for s in statuses)
+            tiers = parse_qs(query).get("tiers", ["memory"])[-1]
+            for r, s in zip(self.replicas, statuses):
+                if s == 200:
+                    self._flushed(r, tiers)
+        status = 200 if ok else next(s for s in statuses if s != 200)
+        await http.send(status, msgspec.json.encode(out))
+
+    def _flushed(self, r: Replica, tiers: str) -> None:
+        """Forget what ``r``'s flush of ``tiers`` emptied, beyond what its events say."""
+        with r.lock:
+            if tiers in ("device", "memory", "all"):
+                r.history.clear()
+                r.pending.clear()
+                if r.text is not None:
+                    r.text = TextTree(r.text.max_chars)
+            if tiers in ("store", "all") and r.store is not None:
+                r.store.clear()
 
     def _any(self, exclude: set[int]) -> Choice | None:
         cands = [i for i, r in enumerate(self.replicas) if r.up and i not in exclude] or \
@@ -707,7 +774,7 @@ class Router:
                         "requests": r.requests, "failures": r.failures, "expected_hit_tokens": r.expected_hit_tokens,
                         "index": {"device": len(r.index.device), **{m: len(s) for m, s in r.index.lower.items()},
                                   "batches": r.index.batches},
-                        "text_tree_chars": r.text.chars}  # fmt: skip
+                        "routed_pages": len(r.history), "text_tree_chars": r.text.chars}  # fmt: skip
                 if r.store is not None:
                     item["store"] = {"spec": r.store.spec, "pages": len(r.store), "limit": r.store.limit,
                                      "write": r.store_write}  # fmt: skip
