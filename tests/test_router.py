@@ -178,6 +178,21 @@ def test_a_shared_store_counts_for_every_replica_writing_to_it():
     assert store.run(hashes, 0) == 0 and len(store) == 100
 
 
+def test_the_store_learns_written_pages_from_the_right_events():
+    """Write-through: pages stored (any tier). Write-back: pages leaving the last memory
+    tier; with a host tier a page the device demotes is on the host, not in the store."""
+    from radixkv.server.router import written_to_store
+
+    doc = list(range(1, 65))
+    h = block_hashes(doc, None, PAGE)
+    demote = [BlockRemoved(h[2:], "GPU"), BlockStored(h[2:], h[1], doc[32:], PAGE, None, "CPU")]
+    push_out = [BlockRemoved(h[3:], "CPU")]
+    stored = [BlockStored(h, None, doc, PAGE, None, "GPU")]
+    assert written_to_store(stored + demote, "through", "CPU") == h + h[2:]
+    assert written_to_store(stored + demote + push_out, "back", "CPU") == h[3:]
+    assert written_to_store(stored + [BlockRemoved(h[1:], "GPU")], "back", "GPU") == h[1:]
+
+
 def test_pending_pages_count_until_their_events_come():
     prompt = list(range(1, 100))
     hashes = block_hashes(prompt, None, PAGE)

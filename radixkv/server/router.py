@@ -56,7 +56,8 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from radixkv.cache.events import END_SEQ, BlockIndex, BlockRemoved, BlockStored, block_hashes, decode, leading
+from radixkv.cache.events import (END_SEQ, MEDIUM_DEVICE, MEDIUM_HOST, BlockIndex, BlockRemoved, BlockStored,
+                                  block_hashes, decode, leading)
 from radixkv.model.registry import DEFAULT_MODEL
 from radixkv.server import protocol as P
 from radixkv.server.app import ClientGone, Http
@@ -191,6 +192,20 @@ class SharedStore:
             return leading(itertools.islice(hashes, start, None), self._pages)
 
 
+def written_to_store(events, write: str, last_medium: str) -> list[int]:
+    """The block hashes a replica's events say reached its store: with ``write``
+    "through", every page stored (on any tier); with "back", every page leaving its last
+    memory tier (``last_medium``: the host tier's with one, else the device's; a page the
+    device hands to the host tier is not in the store yet)."""
+    out: list[int] = []
+    for ev in events:
+        if write == "through" and isinstance(ev, BlockStored):
+            out.extend(ev.block_hashes)
+        elif write == "back" and isinstance(ev, BlockRemoved) and (ev.medium or MEDIUM_DEVICE) == last_medium:
+            out.extend(ev.block_hashes)
+    return out
+
+
 @dataclass
 class Replica:
     url: str
@@ -209,6 +224,7 @@ class Replica:
     subscriber: EventSubscriber | None = None
     store: SharedStore | None = None  # the store it writes to, shared with the replicas naming the same one
     store_write: str = "through"  # when its pages reach the store: through (when stored) or back (when evicted)
+    store_last: str = MEDIUM_DEVICE  # its last memory tier: leaving it, a page is written back (CPU with a host tier)
 
 
 class Choice(NamedTuple):
@@ -403,12 +419,9 @@ class EventSubscriber:
         else:
             with self.replica.lock:
                 self.replica.index.apply(batch)
-            store = self.replica.store
-            if store is not None:
-                written = BlockStored if self.replica.store_write == "through" else BlockRemoved
-                for ev in batch.events:
-                    if isinstance(ev, written):
-                        store.add(ev.block_hashes)
+            r = self.replica
+            if r.store is not None:
+                r.store.add(written_to_store(batch.events, r.store_write, r.store_last))
         self.next_seq = seq + 1
 
 
@@ -515,6 +528,7 @@ class Router:
             limit = max_bytes // page_bytes if max_bytes and page_bytes else self.config.max_tree_chars // 16
             self.stores[key] = SharedStore(store["spec"], max(int(limit), 1), str(store.get("kv_format") or ""))
         r.store, r.store_write = self.stores[key], tiers.get("write") or "through"
+        r.store_last = MEDIUM_HOST if tiers.get("host") else MEDIUM_DEVICE
 
     def _auth(self) -> dict:
         key = self.config.api_key
