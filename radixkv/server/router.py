@@ -70,6 +70,7 @@ MODES = ("auto", "events", "approx")
 FORWARD_HEADERS = ("authorization", "x-cache-salt", "x-session-id", "content-type", "accept")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ROUTED_ROUTES = (*GENERATION_ROUTES, "/pin")  # routed by their prompt: a pin lands where its prompt is served
+UNSIZED_STORE_PAGES = 1 << 20  # pages remembered of a store whose /stats state no size (a Redis server's)
 BROADCAST_ROUTES = ("/flush_cache", "/unpin")  # sent to every replica: each holds its own cache and pins
 
 
@@ -525,7 +526,7 @@ class Router:
         key = (store["spec"], store.get("kv_format"))
         if key not in self.stores:
             max_bytes, page_bytes = store.get("max_bytes"), store.get("page_bytes")
-            limit = max_bytes // page_bytes if max_bytes and page_bytes else self.config.max_tree_chars // 16
+            limit = max_bytes // page_bytes if max_bytes and page_bytes else UNSIZED_STORE_PAGES
             self.stores[key] = SharedStore(store["spec"], max(int(limit), 1), str(store.get("kv_format") or ""))
         r.store, r.store_write = self.stores[key], tiers.get("write") or "through"
         r.store_last = MEDIUM_HOST if tiers.get("host") else MEDIUM_DEVICE
