@@ -221,6 +221,28 @@ def test_a_redis_password_never_shows(redis_server):
     assert "hunter2" not in str(e.value) and ":***@127.0.0.1:" in str(e.value)
 
 
+def test_a_redis_store_states_the_servers_maxmemory(redis_server, tmp_path):
+    """What /stats' tiers.store.max_bytes (and so a router's bound) reads: the server's
+    maxmemory, None while it has none or cannot be reached."""
+    import redis
+
+    pages = S.PageStore(S.open_store(redis_server.url), LAYOUT)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.config_set("maxmemory", 64 << 20)
+        assert pages.max_bytes() == 64 << 20
+        client.config_set("maxmemory", 0)
+        assert pages.max_bytes() is None
+    finally:
+        client.config_set("maxmemory", 0)
+        client.close()
+    from radixkv.server.process import free_port
+
+    gone = S.PageStore(S.open_store(f"redis://127.0.0.1:{free_port()}/0"), LAYOUT)
+    assert gone.max_bytes() is None and gone.stats.unavailable == 1 and not gone.available
+    assert S.PageStore(S.open_store(f"lmdb:{tmp_path / 'kv'}", max_bytes=1 << 20), LAYOUT).max_bytes() == 1 << 20
+
+
 def test_page_store_refuses_deletes_and_counts_bad_entries(kv_engine):
     pages = S.PageStore(kv_engine, LAYOUT, secret=b"ours")
     keys = S.page_keys(seed(), range(6), 2)

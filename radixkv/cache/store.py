@@ -434,6 +434,11 @@ class RedisStore(KVStore):
 
         self._guard(run)
 
+    @property
+    def max_bytes(self) -> int | None:
+        """The server's ``maxmemory`` now (None: unbounded)."""
+        return self._guard(lambda: self.client.info("memory").get("maxmemory") or None)
+
     def usage(self):
         def run():
             memory = self.client.info("memory")
@@ -602,6 +607,12 @@ class PageStore:
 
     def usage(self) -> dict:
         return self._try(self.store.usage, {"entries": None, "bytes": None, "max_bytes": None})
+
+    def max_bytes(self) -> int | None:
+        """The store's bound in bytes (LMDB's ``max_bytes``, a Redis server's
+        ``maxmemory``), for ``/stats`` and a router that bounds what it expects there;
+        None when it has none or cannot be reached."""
+        return self._try(lambda: getattr(self.store, "max_bytes", None), None)
 
     def _try(self, fn, fallback):
         if not self.available:

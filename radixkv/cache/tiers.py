@@ -213,7 +213,7 @@ class KVTiers:
                             "misses": s.misses, "writes": s.writes, "read_bytes": s.read_bytes,
                             "write_bytes": s.write_bytes, "read_s": s.read_s, "write_s": s.write_s,
                             "corrupt": s.corrupt, "corrupt_reasons": dict(s.corrupt_reasons),
-                            "unavailable": s.unavailable, "max_bytes": getattr(self.store.store, "max_bytes", None),
+                            "unavailable": s.unavailable, "max_bytes": self.store.max_bytes(),
                             "page_bytes": self.layout.get("page_bytes"),
                             "kv_format": self.layout.get("kv_format")}  # fmt: skip
         return out

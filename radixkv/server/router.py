@@ -70,7 +70,7 @@ MODES = ("auto", "events", "approx")
 FORWARD_HEADERS = ("authorization", "x-cache-salt", "x-session-id", "content-type", "accept")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ROUTED_ROUTES = (*GENERATION_ROUTES, "/pin")  # routed by their prompt: a pin lands where its prompt is served
-UNSIZED_STORE_PAGES = 1 << 20  # pages remembered of a store whose /stats state no size (a Redis server's)
+UNSIZED_STORE_PAGES = 1 << 20  # pages remembered of a store that states no size (Redis without maxmemory)
 BROADCAST_ROUTES = ("/flush_cache", "/unpin")  # sent to every replica: each holds its own cache and pins
 
 
@@ -711,7 +711,11 @@ class Router:
                                   for r, (status, data) in zip(self.replicas, answers)]}  # fmt: skip
         if path == "/unpin":
             out["unpinned"] = sum(int(d.get("unpinned", 0)) for s, d in answers if s == 200 and isinstance(d, dict))
-            by_id = b'"id"' in body and 200 in statuses
+            try:
+                fields = msgspec.json.decode(body)
+            except msgspec.DecodeError:
+                fields = None
+            by_id = isinstance(fields, dict) and fields.get("id") is not None and 200 in statuses
             reached = [s for s in statuses if s != 502]
             ok = bool(reached) and all(s == 200 or (by_id and s == 404) for s in reached)
         else:
