@@ -137,6 +137,24 @@ def test_events_mode_follows_a_run_past_its_own_threshold():
         assert router.route("/generate", {"input_ids": prompt}, None, set()).replica == want
 
 
+def test_a_pin_is_routed_by_its_prompt_and_a_hint_claims_nothing():
+    """/pin goes where its prompt's pages are, like a generation request, and counts them
+    as computed there (pending, routed); a hint computes nothing, so it claims neither."""
+    from radixkv.server.router import Router, RouterConfig
+
+    prompt = list(range(1, 321))  # 20 pages; replica 1 holds the first 12
+    router = Router(RouterConfig(replicas=("http://127.0.0.1:1", "http://127.0.0.1:2")))
+    router.replicas[0] = replica_holding()
+    router.replicas[1] = replica_holding(prompt[:192], inflight=1)
+    for r in router.replicas:
+        r.up, r.events = True, {"endpoint": "tcp://127.0.0.1:1"}
+    hint = router.route("/pin", {"input_ids": prompt, "hint": True}, None, set())
+    assert hint.replica == 1 and hint.cached == 192
+    assert not router.replicas[1].pending and not router.replicas[1].history
+    pin = router.route("/pin", {"input_ids": prompt}, None, set())
+    assert pin.replica == 1 and len(router.replicas[1].pending) == 20 and len(router.replicas[1].history) == 20
+
+
 def test_a_home_outranks_a_partial_copy_elsewhere():
     """A conversation routed to replica 0 that lost most of it under pressure goes back there,
     not to replica 1, which holds a shorter part of it now (a shared system prompt and the

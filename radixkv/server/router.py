@@ -563,7 +563,9 @@ class Router:
         return ids, text
 
     def route(self, path: str, body: dict, salt: str | None, exclude: set[int]) -> Choice | None:
-        """Pick the replica for a request (None: no healthy one left)."""
+        """Pick the replica for a request (None: no healthy one left). A hint (``/pin``
+        with ``hint``) computes nothing: it goes where its prompt is cached, and its
+        pages are not counted as that replica's (pending) or as routed there."""
         cands = [i for i, r in enumerate(self.replicas) if r.up and i not in exclude]
         if not cands:
             cands = [i for i, r in enumerate(self.replicas) if i not in exclude]  # health may lag: try anyway
@@ -581,6 +583,8 @@ class Router:
                                     now, cfg.events_cache_threshold, cfg.balance_abs_threshold,
                                     cfg.balance_rel_threshold, cfg.store_page_cost)  # fmt: skip
             r = self.replicas[choice.replica]
+            if path == "/pin" and body.get("hint"):
+                return choice
             until = now + cfg.pending_seconds
             if len(r.pending) > 1 << 20:
                 r.pending = {h: t for h, t in r.pending.items() if t > now}
@@ -594,7 +598,8 @@ class Router:
             return choice
         i = choose_approx(self.replicas, cands, text, cfg.cache_threshold, cfg.balance_abs_threshold,
                           cfg.balance_rel_threshold)  # fmt: skip
-        self.replicas[i].text.insert(text)
+        if not (path == "/pin" and body.get("hint")):
+            self.replicas[i].text.insert(text)
         return Choice(i, float(len(text)), 0)
 
     # -- ASGI ----------------------------------------------------------------------------------------------
