@@ -419,4 +419,3 @@ def test_a_killed_replica_loses_no_request(cluster):
     assert after["retries"] >= 1 and after["lost"] == 0
     assert not after["replicas"][urls.index(victim)]["up"]
     assert http.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
-

@@ -153,6 +153,9 @@ class TextTree:
     def match(self, text: str) -> int:
         return leading(self._keys(text), self._chunks) * CHUNK
 
+    def clear(self) -> None:
+        self._chunks.clear()
+
     def insert(self, text: str) -> None:
         for k in self._keys(text):
             self._chunks[k] = None
@@ -575,6 +578,7 @@ class Router:
         if cfg.policy == "round_robin":
             return Choice(cands[next(self._rr) % len(cands)], 0.0, 0)
         ids, text = self.prompt(path, body)
+        claims = not (path == "/pin" and body.get("hint"))  # a hint computes nothing: it claims no pages
         if self.mode == "events" and ids is not None:
             ps = next((r.index.page_size for r in self.replicas if r.index.page_size), None) or 16
             hashes = block_hashes(ids, salt, ps)
@@ -583,7 +587,7 @@ class Router:
                                     now, cfg.events_cache_threshold, cfg.balance_abs_threshold,
                                     cfg.balance_rel_threshold, cfg.store_page_cost)  # fmt: skip
             r = self.replicas[choice.replica]
-            if path == "/pin" and body.get("hint"):
+            if not claims:
                 return choice
             until = now + cfg.pending_seconds
             if len(r.pending) > 1 << 20:
@@ -598,7 +602,7 @@ class Router:
             return choice
         i = choose_approx(self.replicas, cands, text, cfg.cache_threshold, cfg.balance_abs_threshold,
                           cfg.balance_rel_threshold)  # fmt: skip
-        if not (path == "/pin" and body.get("hint")):
+        if claims:
             self.replicas[i].text.insert(text)
         return Choice(i, float(len(text)), 0)
 
@@ -645,18 +649,10 @@ class Router:
         client, to the next one. ApiError 503 when none could serve it."""
         scope = http.scope
         path = scope["path"]
-        parsed: dict = {}
-        if path in ROUTED_ROUTES and scope["method"] == "POST":
-            try:
-                parsed = msgspec.json.decode(body)
-            except msgspec.DecodeError:
-                parsed = {}
-            if not isinstance(parsed, dict):
-                parsed = {}
+        parsed = _json_object(body) if path in ROUTED_ROUTES and scope["method"] == "POST" else {}
         salt = http.headers.get("x-cache-salt") or parsed.get("cache_salt")
         stream = bool(parsed.get("stream"))
-        fwd = {k: v for k, v in http.headers.items() if k in FORWARD_HEADERS}
-        url_tail = path + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
+        url_tail, fwd = _outgoing(http)
         tried: set[int] = set()
         while True:
             choice = self.route(path, parsed, salt, tried) if parsed else self._any(tried)
@@ -695,15 +691,12 @@ class Router:
         replicas' events remove the rest)."""
         import httpx
 
-        scope = http.scope
-        path = scope["path"]
-        query = scope.get("query_string", b"").decode("latin-1")
-        fwd = {k: v for k, v in http.headers.items() if k in FORWARD_HEADERS}
+        path = http.scope["path"]
+        url_tail, fwd = _outgoing(http)
 
         async def one(r: Replica) -> tuple[int, object]:
             try:
-                resp = await self._client.post(r.url + path + ("?" + query if query else ""), headers=fwd,
-                                               content=body, timeout=60.0)  # fmt: skip
+                resp = await self._client.post(r.url + url_tail, headers=fwd, content=body, timeout=60.0)
             except httpx.TransportError as e:
                 return 502, {"error": {"message": f"replica unreachable: {type(e).__name__}", "type": "router_error"}}
             try:
@@ -716,16 +709,12 @@ class Router:
                                   for r, (status, data) in zip(self.replicas, answers)]}  # fmt: skip
         if path == "/unpin":
             out["unpinned"] = sum(int(d.get("unpinned", 0)) for s, d in answers if s == 200 and isinstance(d, dict))
-            try:
-                fields = msgspec.json.decode(body)
-            except msgspec.DecodeError:
-                fields = None
-            by_id = isinstance(fields, dict) and fields.get("id") is not None and 200 in statuses
+            by_id = _json_object(body).get("id") is not None and 200 in statuses
             reached = [s for s in statuses if s != 502]
             ok = bool(reached) and all(s == 200 or (by_id and s == 404) for s in reached)
         else:
             ok = all(s == 200 for s in statuses)
-            tiers = parse_qs(query).get("tiers", ["memory"])[-1]
+            tiers = parse_qs(http.scope.get("query_string", b"").decode("latin-1")).get("tiers", ["memory"])[-1]
             for r, s in zip(self.replicas, statuses):
                 if s == 200:
                     self._flushed(r, tiers)
@@ -738,8 +727,7 @@ class Router:
             if tiers in ("device", "memory", "all"):
                 r.history.clear()
                 r.pending.clear()
-                if r.text is not None:
-                    r.text = TextTree(r.text.max_chars)
+                r.text.clear()
             if tiers in ("store", "all") and r.store is not None:
                 r.store.clear()
 
@@ -838,6 +826,25 @@ class Router:
                [("", self.retries)])  # fmt: skip
         metric("radixkv_router_lost_total", "counter", "requests no replica could serve", [("", self.lost)])
         return "\n".join(lines) + "\n"
+
+
+def _json_object(body: bytes) -> dict:
+    """``body`` as a JSON object; {} for anything else (the replica answers that with its
+    own clear error)."""
+    try:
+        parsed = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _outgoing(http: Http) -> tuple[str, dict]:
+    """What a request forwarded to a replica carries: its path with the query string,
+    and the headers that pass through (``FORWARD_HEADERS``)."""
+    scope = http.scope
+    query = scope.get("query_string") or b""
+    tail = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+    return tail, {k: v for k, v in http.headers.items() if k in FORWARD_HEADERS}
 
 
 def _label(value: str) -> str:
