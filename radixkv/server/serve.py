@@ -273,6 +273,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     settings = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
     started = time.perf_counter()
     engine = Engine(engine_config.model, **settings)
+    engine.grammar.prepare()  # not in the first constrained request: it holds the GIL for ~0.5 s
     loaded = time.perf_counter() - started
     app = Server(engine, server_config)
     for line in ops.summary(engine, plan, app.model_name, server_config.host, server_config.port, loaded):
