@@ -802,6 +802,99 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
     }
 }
 
+/* ---- dequantized products: the dense path of prefill and extend rows ----
+ *
+ * y[n, rows] = x[n, cols] . W^T in float32, W dequantized QG_NR rows at a time into a
+ * panel [cols][QG_NR] that stays in cache; never the whole matrix (a BLAS product over a
+ * dequantized copy streams 4 bytes a weight out to memory and back, which dominates at a
+ * few dozen tokens). A tile is QG_MR tokens by the panel's QG_NR rows: per column, two
+ * vectors of the panel, each token's value broadcast, 12 fused multiply-adds. y[t, r] is
+ * one chain of fused multiply-adds over the columns in order, from zero, whatever n, the
+ * tile or the thread count (and the portable loop takes the same steps): a token's result
+ * does not depend on its batch. x is what the caller passes (the native model: the
+ * activations as radixkv_round_activations rounds them). */
+#define QG_NR 16  /* weight rows per panel: two 8-lane vectors */
+#define QG_MR 6   /* tokens per tile: 6 x 2 accumulators, 12 of the 16 AVX2 registers */
+
+static inline __attribute__((always_inline)) void qg_tile(const float *p, int64_t cols, const float *x, const int mr,
+                                                          float *out) {
+#ifdef USE_AVX2
+    __m256 a[QG_MR][2];
+    for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < cols; k++) {
+        const __m256 w0 = _mm256_load_ps(p + k * QG_NR), w1 = _mm256_load_ps(p + k * QG_NR + 8);
+        for (int t = 0; t < mr; t++) {
+            const __m256 xb = _mm256_broadcast_ss(x + t * cols + k);
+            a[t][0] = _mm256_fmadd_ps(xb, w0, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(xb, w1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < mr; t++) {
+        _mm256_store_ps(out + t * QG_NR, a[t][0]);
+        _mm256_store_ps(out + t * QG_NR + 8, a[t][1]);
+    }
+#else
+    for (int t = 0; t < mr; t++)
+        for (int r = 0; r < QG_NR; r++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < cols; k++) s = fmaf(x[t * cols + k], p[k * QG_NR + r], s);
+            out[t * QG_NR + r] = s;
+        }
+#endif
+}
+
+/* Rows [r0, r0 + nr) of W (nr <= QG_NR) as a panel [cols][QG_NR], missing rows zero. */
+static void qg_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t cols, float *tmp,
+                     float *panel) {
+    for (int64_t r = 0; r < nr; r++) dequant_row(type, w + (r0 + r) * rb, cols, tmp + r * cols);
+    for (int64_t r = nr; r < QG_NR; r++) memset(tmp + r * cols, 0, sizeof(float) * (size_t)cols);
+    for (int64_t k = 0; k < cols; k++)
+        for (int r = 0; r < QG_NR; r++) panel[k * QG_NR + r] = tmp[r * cols + k];
+}
+
+/* y[n, rows] = x[n, cols] . W^T, W in the kernels' layout. Returns 0; -1 for an unknown
+ * type or a row length its blocks do not divide; -2 when a thread's buffers cannot be
+ * allocated. Threads take contiguous ranges of panels. */
+int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
+                  int threads) {
+    const int64_t rb = row_bytes(type, cols);
+    if (rb < 0) return -1;
+    const int64_t panels = (rows + QG_NR - 1) / QG_NR;
+    int err = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tmp = aligned_alloc(32, sizeof(float) * QG_NR * (size_t)cols);  /* cols: a multiple of 32 */
+        float *panel = aligned_alloc(32, sizeof(float) * QG_NR * (size_t)cols);
+        float *out = aligned_alloc(32, sizeof(float) * QG_NR * QG_MR);
+        if (!tmp || !panel || !out) {
+#pragma omp atomic write
+            err = -2;
+        } else {
+            const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+            for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) {
+                const int64_t r0 = c * QG_NR, nr = rows - r0 < QG_NR ? rows - r0 : QG_NR;
+                qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
+                for (int64_t t = 0; t < n; t += QG_MR) {
+                    const int mr = n - t < QG_MR ? (int)(n - t) : QG_MR;
+                    switch (mr) {  /* constant shapes: the loops unroll */
+                    case 1: qg_tile(panel, cols, x + t * cols, 1, out); break;
+                    case 2: qg_tile(panel, cols, x + t * cols, 2, out); break;
+                    case 3: qg_tile(panel, cols, x + t * cols, 3, out); break;
+                    case 4: qg_tile(panel, cols, x + t * cols, 4, out); break;
+                    case 5: qg_tile(panel, cols, x + t * cols, 5, out); break;
+                    default: qg_tile(panel, cols, x + t * cols, 6, out); break;
+                    }
+                    for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * QG_NR, sizeof(float) * (size_t)nr);
+                }
+            }
+        }
+        free(tmp);
+        free(panel);
+        free(out);
+    }
+    return err;
+}
+
 /* ---- the steps between the products, for native models ----
  *
  * A decode step of a small model spends as long in its elementwise steps (norms, rotary

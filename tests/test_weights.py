@@ -75,6 +75,8 @@ def test_kernel_matches_dequantize_then_matmul(type_id, portable):
     exact = rounded(x) @ w.T  # what the kernel computes, in float64
     assert ((y - exact).norm() / exact.norm()) < 3e-6
     assert ((y - x.double() @ w.T).norm() / exact.norm()) < 1e-4  # the rounding itself is small
+    dense = m.linear(x, dense=True).double()  # the prefill path: the same product in float32
+    assert ((dense - exact).norm() / exact.norm()) < 3e-6
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
@@ -151,9 +153,12 @@ def test_the_thread_count_is_honoured():
         assert m._lib.radixkv_qmatmul_last_threads() == threads
 
 
-def test_the_prefill_path_computes_the_same_product(monkeypatch):
-    """From DENSE_FROM tokens on, rounded activations times dequantized weights through
-    the BLAS (in scratch chunks): float32 rounding away from the kernel's result."""
+def test_the_prefill_path_computes_the_same_product():
+    """From DENSE_FROM tokens on, rounded activations times dequantized weights in float32
+    (panels of 16 rows, tiles of 6 tokens): float32 rounding away from the kernel's result
+    and from a float64 product of the same operands, and batch-invariant: every token's
+    row the same bits alone, in a partial tile and in any batch (300 rows: a partial
+    panel; 1 and 2 threads)."""
     cols = 512
     for type_id in (3, 8, 14):
         m = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 300, cols)), cols)
@@ -161,9 +166,17 @@ def test_the_prefill_path_computes_the_same_product(monkeypatch):
         kernel = torch.cat([m.linear(x[i : i + 1]) for i in range(len(x))])
         dense = m.linear(x)
         assert ((dense - kernel).norm() / kernel.norm()) < 2e-6
-        monkeypatch.setattr(weights, "SCRATCH_FLOATS", 64 * cols)  # 64 rows at a time: 5 chunks
-        assert torch.allclose(m.linear(x), dense, rtol=0, atol=1e-5)
-        monkeypatch.undo()
+        rounded = torch.empty_like(x)
+        m._lib.radixkv_round_activations(x.data_ptr(), len(x), cols, rounded.data_ptr(), 1)
+        exact = rounded.double() @ m.rows().double().t()
+        assert ((dense.double() - exact).norm() / exact.norm()) < 1e-6
+        for i in (0, 7, len(x) - 1):
+            assert torch.equal(m.linear(x[i : i + 1], dense=True)[0], dense[i])
+        assert torch.equal(m.linear(x[3:11], dense=True, threads=1), dense[3:11])
+        assert torch.equal(m.linear(x[:4], dense=True, threads=2), dense[:4])
+        # the portable loop takes the same steps (fmaf: one rounding, as the AVX2 lanes)
+        portable = PackedMatrix(type_id, m.blocks(), cols, portable=True)
+        assert torch.equal(portable.linear(x, dense=True), dense)
 
 
 def test_bad_input_is_refused_with_its_limits():
