@@ -848,8 +848,35 @@ static void qg_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
                      float *panel) {
     for (int64_t r = 0; r < nr; r++) dequant_row(type, w + (r0 + r) * rb, cols, tmp + r * cols);
     for (int64_t r = nr; r < QG_NR; r++) memset(tmp + r * cols, 0, sizeof(float) * (size_t)cols);
+#ifdef USE_AVX2
+    for (int64_t k = 0; k < cols; k += 8)  /* 8 x 8 transposes (cols: a multiple of 32) */
+        for (int h = 0; h < QG_NR; h += 8) {
+            const float *src = tmp + h * cols + k;
+            __m256 r0 = _mm256_load_ps(src), r1 = _mm256_load_ps(src + cols), r2 = _mm256_load_ps(src + 2 * cols),
+                   r3 = _mm256_load_ps(src + 3 * cols), r4 = _mm256_load_ps(src + 4 * cols),
+                   r5 = _mm256_load_ps(src + 5 * cols), r6 = _mm256_load_ps(src + 6 * cols),
+                   r7 = _mm256_load_ps(src + 7 * cols);
+            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+                   t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                   t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                   u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                   u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                   u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *dst = panel + k * QG_NR + h;
+            _mm256_store_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_store_ps(dst + QG_NR, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_store_ps(dst + 2 * QG_NR, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_store_ps(dst + 3 * QG_NR, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_store_ps(dst + 4 * QG_NR, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_store_ps(dst + 5 * QG_NR, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_store_ps(dst + 6 * QG_NR, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_store_ps(dst + 7 * QG_NR, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+#else
     for (int64_t k = 0; k < cols; k++)
         for (int r = 0; r < QG_NR; r++) panel[k * QG_NR + r] = tmp[r * cols + k];
+#endif
 }
 
 /* y[n, rows] = x[n, cols] . W^T, W in the kernels' layout. Returns 0; -1 for an unknown
