@@ -53,6 +53,7 @@ model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch
 config = model.config
 if hasattr(config, "quantization_config"):  # the GGUF marker: the saved weights are plain float32
     del config.quantization_config
+config.architectures = [type(model).__name__]  # transformers 5.24 no longer writes it; vLLM needs it
 config.save_pretrained(out)
 tokenizer.save_pretrained(out)
 weights = {k: v.contiguous() for k, v in model.state_dict().items()
