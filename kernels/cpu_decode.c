@@ -1092,3 +1092,182 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
     free(partial), free(kept_at), free(kept), free(shares);
     return failed ? -1 : 0;
 }
+
+
+/* ---- extends: a sequence's several new tokens against its pages (fp32) ----
+ *
+ * out rows of the n new tokens of each sequence, attending causally to its seq_lens[i]
+ * positions (the new ones' K/V already in the pages; window > 0: the last `window`
+ * positions up to each row), for float32 pages. One task per (sequence, KV head): its
+ * n x G query rows (G = hq / hkv heads share the KV head), scaled once, against blocks of
+ * EK positions gathered from the pages (K transposed to [d][EK]); scores in 6-row x 16-key
+ * outer-product tiles, a running maximum and sum per row (online softmax; masked lanes
+ * weigh exactly zero), the weighted V sums in registers 32 dims at a time. The rows of a
+ * sequence share each block's K/V, where per-sequence SDPA calls paid their own setup and
+ * the decode kernel would read the context once per row. Layouts as radixkv_paged_decode;
+ * q_start[i]: sequence i's first query row, n_new[i] its new tokens. Returns 0; -1 when
+ * the shapes are not the kernel's (d a multiple of 32, hq a multiple of hkv) or there is
+ * no AVX2 + FMA (the caller takes the reference path); -2 when a buffer cannot be had. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define EK 16      /* keys per block */
+#define ECHUNK 96  /* query rows per task at most */
+#define ER 6  /* query rows per score tile */
+
+/* s[r][0..15] = qb[r] . kt[:, 0..15] for mr rows */
+INLINE void score_tile(const float *qb, int64_t d, const float *kt, const int mr, float *s) {
+    __m256 a[ER][2];
+    for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e++) {
+        const __m256 k0 = _mm256_load_ps(kt + e * EK), k1 = _mm256_load_ps(kt + e * EK + 8);
+        for (int r = 0; r < mr; r++) {
+            const __m256 x = _mm256_broadcast_ss(qb + r * d + e);
+            a[r][0] = _mm256_fmadd_ps(x, k0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(x, k1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) { _mm256_store_ps(s + r * EK, a[r][0]); _mm256_store_ps(s + r * EK + 8, a[r][1]); }
+}
+
+int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_cache, const int64_t *q_start,
+                         const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
+                         const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
+                         int64_t page_size, float scale, int64_t window) {
+    if (d % 32 != 0 || hq % hkv != 0) return -1;
+    if (nseq == 0) return 0;
+    const int64_t G = hq / hkv;
+    /* tasks: (sequence, KV head, a chunk of at most ECHUNK query rows), so that one long
+     * extend still keeps every thread busy */
+    int64_t ntasks = 0;
+    for (int64_t i = 0; i < nseq; i++) ntasks += hkv * ((n_new[i] * G + ECHUNK - 1) / ECHUNK);
+    int64_t *task_seq = malloc(sizeof(int64_t) * (size_t)ntasks), *task_row = malloc(sizeof(int64_t) * (size_t)ntasks);
+    if (!task_seq || !task_row) {
+        free(task_seq), free(task_row);
+        return -2;
+    }
+    for (int64_t i = 0, t = 0; i < nseq; i++)
+        for (int64_t h = 0; h < hkv; h++)
+            for (int64_t r = 0; r < n_new[i] * G; r += ECHUNK, t++) task_seq[t] = i * hkv + h, task_row[t] = r;
+    const int64_t rmax = ECHUNK;
+    int err = 0;
+#pragma omp parallel
+    {
+        const int64_t rpad = (rmax + ER - 1) / ER * ER;
+        float *qb = aligned_alloc(32, sizeof(float) * (size_t)(rpad * d));
+        float *ob = aligned_alloc(32, sizeof(float) * (size_t)(rpad * d));
+        float *s = aligned_alloc(32, sizeof(float) * (size_t)(rpad * EK));
+        float *kt = aligned_alloc(32, sizeof(float) * (size_t)(d * EK));
+        float *vb = aligned_alloc(32, sizeof(float) * (size_t)(d * EK));
+        float *m = malloc(sizeof(float) * (size_t)rpad), *l = malloc(sizeof(float) * (size_t)rpad);
+        if (!qb || !ob || !s || !kt || !vb || !m || !l) {
+#pragma omp atomic write
+            err = -2;
+        } else {
+#pragma omp for schedule(dynamic)
+            for (int64_t task = 0; task < ntasks; task++) {
+                const int64_t i = task_seq[task] / hkv, h = task_seq[task] % hkv, n = n_new[i], total = seq_lens[i];
+                const int64_t c0 = task_row[task], R = n * G - c0 < ECHUNK ? n * G - c0 : ECHUNK;
+                /* local row r is row c0 + r of the sequence: token (c0 + r) / G, head h * G + (c0 + r) % G */
+                const int32_t *pages = kv_indices + kv_starts[i];
+                const int64_t end = total - n + (c0 + R - 1) / G + 1; /* positions the chunk's last row sees */
+                for (int64_t r = 0; r < R; r++) {
+                    const float *src = q + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
+                    for (int64_t e = 0; e < d; e++) qb[r * d + e] = src[e] * scale;
+                    m[r] = -INFINITY; l[r] = 0.0f;
+                }
+                memset(ob, 0, sizeof(float) * (size_t)(R * d));
+                for (int64_t k0 = 0; k0 < end; k0 += EK) {
+                    const int64_t kn = end - k0 < EK ? end - k0 : EK;
+                    for (int64_t j = 0; j < EK; j++) {
+                        if (j < kn) {
+                            const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
+                            const float *kr = k_cache + (slot * hkv + h) * d, *vr = v_cache + (slot * hkv + h) * d;
+                            for (int64_t e = 0; e < d; e++) kt[e * EK + j] = kr[e];
+                            memcpy(vb + j * d, vr, sizeof(float) * (size_t)d);
+                        } else {
+                            for (int64_t e = 0; e < d; e++) kt[e * EK + j] = 0.0f;
+                        }
+                    }
+                    /* rows whose last visible key is before k0 see nothing here: token t sees up to total - n + t */
+                    int64_t r0 = k0 - (total - n);
+                    r0 = r0 <= 0 ? 0 : r0 * G - c0;
+                    r0 = r0 < 0 ? 0 : r0;
+                    for (int64_t r = r0; r < R; r += ER) {
+                        const int mr = R - r < ER ? (int)(R - r) : ER;
+                        switch (mr) {
+                        case 1: score_tile(qb + r * d, d, kt, 1, s + r * EK); break;
+                        case 2: score_tile(qb + r * d, d, kt, 2, s + r * EK); break;
+                        case 3: score_tile(qb + r * d, d, kt, 3, s + r * EK); break;
+                        case 4: score_tile(qb + r * d, d, kt, 4, s + r * EK); break;
+                        case 5: score_tile(qb + r * d, d, kt, 5, s + r * EK); break;
+                        default: score_tile(qb + r * d, d, kt, 6, s + r * EK); break;
+                        }
+                    }
+                    const __m256 idx0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), idx1 = _mm256_add_ps(idx0, _mm256_set1_ps(8));
+                    for (int64_t r = r0; r < R; r++) {
+                        const int64_t last = total - n + (c0 + r) / G - k0; /* keys j <= last visible */
+                        const int64_t lim = last < kn - 1 ? last : kn - 1;
+                        const int64_t first = window > 0 ? last - window + 1 : 0; /* and j >= first */
+                        if (first > lim) continue; /* the whole block is outside the row's window */
+                        const __m256 vl = _mm256_set1_ps((float)lim), vf = _mm256_set1_ps((float)first);
+                        const __m256 in0 = _mm256_and_ps(_mm256_cmp_ps(idx0, vl, _CMP_LE_OQ), _mm256_cmp_ps(idx0, vf, _CMP_GE_OQ));
+                        const __m256 in1 = _mm256_and_ps(_mm256_cmp_ps(idx1, vl, _CMP_LE_OQ), _mm256_cmp_ps(idx1, vf, _CMP_GE_OQ));
+                        __m256 s0 = _mm256_load_ps(s + r * EK), s1 = _mm256_load_ps(s + r * EK + 8);
+                        const __m256 ninf = _mm256_set1_ps(-INFINITY);
+                        s0 = _mm256_blendv_ps(ninf, s0, in0);
+                        s1 = _mm256_blendv_ps(ninf, s1, in1);
+                        __m256 mx = _mm256_max_ps(s0, s1);
+                        __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+                        t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+                        t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
+                        const float bm = _mm_cvtss_f32(t4), mn = bm > m[r] ? bm : m[r];
+                        const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mn);
+                        const __m256 vm = _mm256_set1_ps(mn);
+                        const __m256 p0 = exp8_nonpositive(_mm256_sub_ps(s0, vm)), p1 = exp8_nonpositive(_mm256_sub_ps(s1, vm));
+                        /* masked lanes: -inf - mn = -inf, clamped to -87 in exp8: tiny, not zero; zero them */
+                        const __m256 q0 = _mm256_blendv_ps(_mm256_setzero_ps(), p0, in0);
+                        const __m256 q1 = _mm256_blendv_ps(_mm256_setzero_ps(), p1, in1);
+                        float pw[EK] __attribute__((aligned(32)));
+                        _mm256_store_ps(pw, q0); _mm256_store_ps(pw + 8, q1);
+                        __m256 sum = _mm256_add_ps(q0, q1);
+                        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+                        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+                        l[r] = l[r] * alpha + _mm_cvtss_f32(s4);
+                        m[r] = mn;
+                        float *o = ob + r * d;
+                        const __m256 va = _mm256_set1_ps(alpha);
+                        for (int64_t e = 0; e < d; e += 32) {
+                            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(o + e), va), a1 = _mm256_mul_ps(_mm256_loadu_ps(o + e + 8), va);
+                            __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(o + e + 16), va), a3 = _mm256_mul_ps(_mm256_loadu_ps(o + e + 24), va);
+                            for (int64_t j = first > 0 ? first : 0; j <= lim; j++) {
+                                const __m256 w = _mm256_broadcast_ss(pw + j);
+                                const float *v = vb + j * d + e;
+                                a0 = _mm256_fmadd_ps(w, _mm256_load_ps(v), a0);
+                                a1 = _mm256_fmadd_ps(w, _mm256_load_ps(v + 8), a1);
+                                a2 = _mm256_fmadd_ps(w, _mm256_load_ps(v + 16), a2);
+                                a3 = _mm256_fmadd_ps(w, _mm256_load_ps(v + 24), a3);
+                            }
+                            _mm256_storeu_ps(o + e, a0); _mm256_storeu_ps(o + e + 8, a1);
+                            _mm256_storeu_ps(o + e + 16, a2); _mm256_storeu_ps(o + e + 24, a3);
+                        }
+                    }
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    float *dst = out + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
+                    const float inv = 1.0f / l[r];
+                    for (int64_t e = 0; e < d; e++) dst[e] = ob[r * d + e] * inv;
+                }
+            }
+        }
+        free(qb), free(ob), free(s), free(kt), free(vb), free(m), free(l);
+    }
+    free(task_seq), free(task_row);
+    return err;
+}
+#else
+int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_cache, const int64_t *q_start,
+                         const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
+                         const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
+                         int64_t page_size, float scale, int64_t window) {
+    return -1;
+}
+#endif

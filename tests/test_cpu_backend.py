@@ -66,7 +66,32 @@ def test_decode_rows_go_to_the_kernel_and_the_rest_to_sdpa(cpu, monkeypatch):
     assert calls == []  # a pure decode batch never reaches SDPA
     lens = [1, 12, 1, 30]
     check_against_dense(cpu, random_case(2, lens, [50, 7, 3, 0], 4, 9, 3, torch.float32, dim=64), lens, 0.125)
-    assert calls == [frozenset({0, 2})]  # the two decode rows skipped there, computed by the kernel
+    # the two decode rows and the extend (12 new after 7 cached) skipped there: the kernels'; the prefill SDPA's
+    assert calls == [frozenset({0, 1, 2})]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("hq, hkv", [(9, 3), (4, 4), (8, 1)])
+def test_extends_go_to_the_extend_kernel(cpu, monkeypatch, page_size, hq, hkv):
+    """Sequences adding several tokens after cached ones: the extend kernel, equal to dense
+    attention (each new token causal, under a window too), ragged lengths across its blocks
+    of 16 positions; prefills, decode rows and soft-capped logits go elsewhere."""
+    calls = spy_on_sdpa_path(cpu, monkeypatch)
+    lens, prefixes = [5, 1, 40, 2, 17, 33], [11, 20, 0, 1, 16, 130]
+    case = random_case(6, lens, prefixes, page_size, hq, hkv, torch.float32, dim=64)
+    check_against_dense(cpu, case, lens, 0.125)
+    assert calls == [frozenset({0, 1, 3, 4, 5})]  # only the prefill (index 2) reached SDPA
+    check_against_dense(cpu, case, lens, 0.125, window=7)
+    calls.clear()
+    check_against_dense(cpu, case, lens, 0.125, softcap=20.0)
+    assert calls == [frozenset({1})]  # soft-capped: the extends take the reference path
+
+
+def test_extends_with_a_head_size_the_kernel_does_not_take(cpu, monkeypatch):
+    calls = spy_on_sdpa_path(cpu, monkeypatch)
+    lens = [6, 1]
+    check_against_dense(cpu, random_case(7, lens, [9, 4], 16, 9, 3, torch.float32, dim=24), lens, 0.125)
+    assert calls == [frozenset({1})]  # head size 24: the extend goes through SDPA
 
 
 def test_half_precision_cache_uses_the_reference_path(cpu):
