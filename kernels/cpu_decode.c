@@ -1098,35 +1098,20 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
  *
  * out rows of the n new tokens of each sequence, attending causally to its seq_lens[i]
  * positions (the new ones' K/V already in the pages; window > 0: the last `window`
- * positions up to each row), for float32 pages. One task per (sequence, KV head): its
- * n x G query rows (G = hq / hkv heads share the KV head), scaled once, against blocks of
- * EK positions gathered from the pages (K transposed to [d][EK]); scores in 6-row x 16-key
- * outer-product tiles, a running maximum and sum per row (online softmax; masked lanes
- * weigh exactly zero), the weighted V sums in registers 32 dims at a time. The rows of a
- * sequence share each block's K/V, where per-sequence SDPA calls paid their own setup and
+ * positions up to each row), for float32 pages. A sequence's query rows for one KV head
+ * are its n tokens x G heads (G = hq / hkv share the KV head); one task takes up to
+ * ECHUNK of them (so one long extend still spreads over the threads), scaled once, against
+ * blocks of EK positions gathered from the pages (K transposed to [d][EK]): scores in
+ * vexp.h's outer-product tiles, a running maximum and sum per row (online softmax; masked
+ * lanes weigh exactly zero), the weighted V sums in registers 32 dims at a time. The rows
+ * share each block's K/V, where per-sequence SDPA calls paid their own setup and
  * the decode kernel would read the context once per row. Layouts as radixkv_paged_decode;
  * q_start[i]: sequence i's first query row, n_new[i] its new tokens. Returns 0; -1 when
  * the shapes are not the kernel's (d a multiple of 32, hq a multiple of hkv) or there is
  * no AVX2 + FMA (the caller takes the reference path); -2 when a buffer cannot be had. */
 #if defined(__AVX2__) && defined(__FMA__)
-#define EK 16      /* keys per block */
+#define EK TILE_NR /* keys per block: a score tile's width */
 #define ECHUNK 96  /* query rows per task at most */
-#define ER 6  /* query rows per score tile */
-
-/* s[r][0..15] = qb[r] . kt[:, 0..15] for mr rows */
-INLINE void score_tile(const float *qb, int64_t d, const float *kt, const int mr, float *s) {
-    __m256 a[ER][2];
-    for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < d; e++) {
-        const __m256 k0 = _mm256_load_ps(kt + e * EK), k1 = _mm256_load_ps(kt + e * EK + 8);
-        for (int r = 0; r < mr; r++) {
-            const __m256 x = _mm256_broadcast_ss(qb + r * d + e);
-            a[r][0] = _mm256_fmadd_ps(x, k0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(x, k1, a[r][1]);
-        }
-    }
-    for (int r = 0; r < mr; r++) { _mm256_store_ps(s + r * EK, a[r][0]); _mm256_store_ps(s + r * EK + 8, a[r][1]); }
-}
 
 int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
@@ -1147,17 +1132,15 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
     for (int64_t i = 0, t = 0; i < nseq; i++)
         for (int64_t h = 0; h < hkv; h++)
             for (int64_t r = 0; r < n_new[i] * G; r += ECHUNK, t++) task_seq[t] = i * hkv + h, task_row[t] = r;
-    const int64_t rmax = ECHUNK;
     int err = 0;
 #pragma omp parallel
     {
-        const int64_t rpad = (rmax + ER - 1) / ER * ER;
-        float *qb = aligned_alloc(32, sizeof(float) * (size_t)(rpad * d));
-        float *ob = aligned_alloc(32, sizeof(float) * (size_t)(rpad * d));
-        float *s = aligned_alloc(32, sizeof(float) * (size_t)(rpad * EK));
+        float *qb = aligned_alloc(32, sizeof(float) * (size_t)(ECHUNK * d));
+        float *ob = aligned_alloc(32, sizeof(float) * (size_t)(ECHUNK * d));
+        float *s = aligned_alloc(32, sizeof(float) * ECHUNK * EK);
         float *kt = aligned_alloc(32, sizeof(float) * (size_t)(d * EK));
         float *vb = aligned_alloc(32, sizeof(float) * (size_t)(d * EK));
-        float *m = malloc(sizeof(float) * (size_t)rpad), *l = malloc(sizeof(float) * (size_t)rpad);
+        float *m = malloc(sizeof(float) * ECHUNK), *l = malloc(sizeof(float) * ECHUNK);
         if (!qb || !ob || !s || !kt || !vb || !m || !l) {
 #pragma omp atomic write
             err = -2;
@@ -1191,17 +1174,8 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
                     int64_t r0 = k0 - (total - n);
                     r0 = r0 <= 0 ? 0 : r0 * G - c0;
                     r0 = r0 < 0 ? 0 : r0;
-                    for (int64_t r = r0; r < R; r += ER) {
-                        const int mr = R - r < ER ? (int)(R - r) : ER;
-                        switch (mr) {
-                        case 1: score_tile(qb + r * d, d, kt, 1, s + r * EK); break;
-                        case 2: score_tile(qb + r * d, d, kt, 2, s + r * EK); break;
-                        case 3: score_tile(qb + r * d, d, kt, 3, s + r * EK); break;
-                        case 4: score_tile(qb + r * d, d, kt, 4, s + r * EK); break;
-                        case 5: score_tile(qb + r * d, d, kt, 5, s + r * EK); break;
-                        default: score_tile(qb + r * d, d, kt, 6, s + r * EK); break;
-                        }
-                    }
+                    for (int64_t r = r0; r < R; r += TILE_MR)
+                        tile(kt, d, qb + r * d, R - r < TILE_MR ? (int)(R - r) : TILE_MR, s + r * EK);
                     const __m256 idx0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), idx1 = _mm256_add_ps(idx0, _mm256_set1_ps(8));
                     for (int64_t r = r0; r < R; r++) {
                         const int64_t last = total - n + (c0 + r) / G - k0; /* keys j <= last visible */
@@ -1215,11 +1189,7 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
                         const __m256 ninf = _mm256_set1_ps(-INFINITY);
                         s0 = _mm256_blendv_ps(ninf, s0, in0);
                         s1 = _mm256_blendv_ps(ninf, s1, in1);
-                        __m256 mx = _mm256_max_ps(s0, s1);
-                        __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-                        t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
-                        t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
-                        const float bm = _mm_cvtss_f32(t4), mn = bm > m[r] ? bm : m[r];
+                        const float bm = hmax8(_mm256_max_ps(s0, s1)), mn = bm > m[r] ? bm : m[r];
                         const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mn);
                         const __m256 vm = _mm256_set1_ps(mn);
                         const __m256 p0 = exp8_nonpositive(_mm256_sub_ps(s0, vm)), p1 = exp8_nonpositive(_mm256_sub_ps(s1, vm));
@@ -1228,10 +1198,7 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
                         const __m256 q1 = _mm256_blendv_ps(_mm256_setzero_ps(), p1, in1);
                         float pw[EK] __attribute__((aligned(32)));
                         _mm256_store_ps(pw, q0); _mm256_store_ps(pw + 8, q1);
-                        __m256 sum = _mm256_add_ps(q0, q1);
-                        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-                        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-                        l[r] = l[r] * alpha + _mm_cvtss_f32(s4);
+                        l[r] = l[r] * alpha + hsum8(_mm256_add_ps(q0, q1));
                         m[r] = mn;
                         float *o = ob + r * d;
                         const __m256 va = _mm256_set1_ps(alpha);

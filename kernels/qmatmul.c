@@ -322,13 +322,6 @@ void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *o
 #define NT_MAX 4
 
 #ifdef USE_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256i bytes16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256i xcodes(const int16_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
 
@@ -417,7 +410,7 @@ static inline __attribute__((always_inline)) void dot_split(int type, const uint
             if (type != T_Q8_0) corr[t] = _mm256_add_ps(corr[t], _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, m * xs[t].s[i0]));
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum(_mm256_add_ps(acc[t], corr[t]));
+    for (int t = 0; t < nt; t++) out[t] = hsum8(_mm256_add_ps(acc[t], corr[t]));
 #else
     float sum[NT_MAX][2], corr[NT_MAX][2];
     for (int t = 0; t < nt; t++) sum[t][0] = sum[t][1] = corr[t][0] = corr[t][1] = 0.0f;
@@ -515,7 +508,7 @@ static inline __attribute__((always_inline)) void dot_q45_k(int type, const uint
     }
     for (int t = 0; t < nt; t++)
 #ifdef USE_AVX2
-        out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + corr[t];
+        out[t] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) + corr[t];
 #else
         out[t] = (sum[t][0] + sum[t][1]) + corr[t];
 #endif
@@ -582,7 +575,7 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
     }
     for (int t = 0; t < nt; t++)
 #ifdef USE_AVX2
-        out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+        out[t] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 #else
         out[t] = sum[t][0] + sum[t][1];
 #endif
@@ -764,7 +757,7 @@ static inline __attribute__((always_inline)) void sdot_row(const float *w, const
             acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[t] + j + 8), acc[t][1]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (int t = 0; t < nt; t++) out[t] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 #else
     for (int t = 0; t < nt; t++) out[t] = 0.0f;
 #endif
@@ -804,53 +797,23 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
 
 /* ---- dequantized products: the dense path of prefill and extend rows ----
  *
- * y[n, rows] = x[n, cols] . W^T in float32, W dequantized QG_NR rows at a time into a
- * panel [cols][QG_NR] that stays in cache; never the whole matrix (a BLAS product over a
+ * y[n, rows] = x[n, cols] . W^T in float32, W dequantized TILE_NR rows at a time into a
+ * panel [cols][TILE_NR] that stays in cache; never the whole matrix (a BLAS product over a
  * dequantized copy streams 4 bytes a weight out to memory and back, which dominates at a
- * few dozen tokens). A tile is QG_MR tokens by the panel's QG_NR rows: per column, two
- * vectors of the panel, each token's value broadcast, 12 fused multiply-adds. y[t, r] is
- * one chain of fused multiply-adds over the columns in order, from zero, whatever n, the
- * tile or the thread count (and the portable loop takes the same steps): a token's result
- * does not depend on its batch. x is what the caller passes (the native model: the
- * activations as radixkv_round_activations rounds them). */
-#define QG_NR 16  /* weight rows per panel: two 8-lane vectors */
-#define QG_MR 6   /* tokens per tile: 6 x 2 accumulators, 12 of the 16 AVX2 registers */
+ * few dozen tokens). Tiles of TILE_MR tokens by the panel's TILE_NR rows (vexp.h's tile):
+ * y[t, r] is one chain of fused multiply-adds over the columns in order, from zero,
+ * whatever n, the tile or the thread count (and the portable loop takes the same steps):
+ * a token's result does not depend on its batch. x is what the caller passes (the native
+ * model: the activations as radixkv_round_activations rounds them). */
 
-static inline __attribute__((always_inline)) void qg_tile(const float *p, int64_t cols, const float *x, const int mr,
-                                                          float *out) {
-#ifdef USE_AVX2
-    __m256 a[QG_MR][2];
-    for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < cols; k++) {
-        const __m256 w0 = _mm256_load_ps(p + k * QG_NR), w1 = _mm256_load_ps(p + k * QG_NR + 8);
-        for (int t = 0; t < mr; t++) {
-            const __m256 xb = _mm256_broadcast_ss(x + t * cols + k);
-            a[t][0] = _mm256_fmadd_ps(xb, w0, a[t][0]);
-            a[t][1] = _mm256_fmadd_ps(xb, w1, a[t][1]);
-        }
-    }
-    for (int t = 0; t < mr; t++) {
-        _mm256_store_ps(out + t * QG_NR, a[t][0]);
-        _mm256_store_ps(out + t * QG_NR + 8, a[t][1]);
-    }
-#else
-    for (int t = 0; t < mr; t++)
-        for (int r = 0; r < QG_NR; r++) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < cols; k++) s = fmaf(x[t * cols + k], p[k * QG_NR + r], s);
-            out[t * QG_NR + r] = s;
-        }
-#endif
-}
-
-/* Rows [r0, r0 + nr) of W (nr <= QG_NR) as a panel [cols][QG_NR], missing rows zero. */
+/* Rows [r0, r0 + nr) of W (nr <= TILE_NR) as a panel [cols][TILE_NR], missing rows zero. */
 static void qg_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t cols, float *tmp,
                      float *panel) {
     for (int64_t r = 0; r < nr; r++) dequant_row(type, w + (r0 + r) * rb, cols, tmp + r * cols);
-    for (int64_t r = nr; r < QG_NR; r++) memset(tmp + r * cols, 0, sizeof(float) * (size_t)cols);
+    for (int64_t r = nr; r < TILE_NR; r++) memset(tmp + r * cols, 0, sizeof(float) * (size_t)cols);
 #ifdef USE_AVX2
     for (int64_t k = 0; k < cols; k += 8)  /* 8 x 8 transposes (cols: a multiple of 32) */
-        for (int h = 0; h < QG_NR; h += 8) {
+        for (int h = 0; h < TILE_NR; h += 8) {
             const float *src = tmp + h * cols + k;
             __m256 r0 = _mm256_load_ps(src), r1 = _mm256_load_ps(src + cols), r2 = _mm256_load_ps(src + 2 * cols),
                    r3 = _mm256_load_ps(src + 3 * cols), r4 = _mm256_load_ps(src + 4 * cols),
@@ -863,19 +826,19 @@ static void qg_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
                    u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
                    u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
                    u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            float *dst = panel + k * QG_NR + h;
+            float *dst = panel + k * TILE_NR + h;
             _mm256_store_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_store_ps(dst + QG_NR, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_store_ps(dst + 2 * QG_NR, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_store_ps(dst + 3 * QG_NR, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_store_ps(dst + 4 * QG_NR, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_store_ps(dst + 5 * QG_NR, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_store_ps(dst + 6 * QG_NR, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_store_ps(dst + 7 * QG_NR, _mm256_permute2f128_ps(u3, u7, 0x31));
+            _mm256_store_ps(dst + TILE_NR, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_store_ps(dst + 2 * TILE_NR, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_store_ps(dst + 3 * TILE_NR, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_store_ps(dst + 4 * TILE_NR, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_store_ps(dst + 5 * TILE_NR, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_store_ps(dst + 6 * TILE_NR, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_store_ps(dst + 7 * TILE_NR, _mm256_permute2f128_ps(u3, u7, 0x31));
         }
 #else
     for (int64_t k = 0; k < cols; k++)
-        for (int r = 0; r < QG_NR; r++) panel[k * QG_NR + r] = tmp[r * cols + k];
+        for (int r = 0; r < TILE_NR; r++) panel[k * TILE_NR + r] = tmp[r * cols + k];
 #endif
 }
 
@@ -886,32 +849,25 @@ int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
                   int threads) {
     const int64_t rb = row_bytes(type, cols);
     if (rb < 0) return -1;
-    const int64_t panels = (rows + QG_NR - 1) / QG_NR;
+    const int64_t panels = (rows + TILE_NR - 1) / TILE_NR;
     int err = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *tmp = aligned_alloc(32, sizeof(float) * QG_NR * (size_t)cols);  /* cols: a multiple of 32 */
-        float *panel = aligned_alloc(32, sizeof(float) * QG_NR * (size_t)cols);
-        float *out = aligned_alloc(32, sizeof(float) * QG_NR * QG_MR);
+        float *tmp = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */
+        float *panel = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);
+        float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
         if (!tmp || !panel || !out) {
 #pragma omp atomic write
             err = -2;
         } else {
             const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
             for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) {
-                const int64_t r0 = c * QG_NR, nr = rows - r0 < QG_NR ? rows - r0 : QG_NR;
+                const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
                 qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
-                for (int64_t t = 0; t < n; t += QG_MR) {
-                    const int mr = n - t < QG_MR ? (int)(n - t) : QG_MR;
-                    switch (mr) {  /* constant shapes: the loops unroll */
-                    case 1: qg_tile(panel, cols, x + t * cols, 1, out); break;
-                    case 2: qg_tile(panel, cols, x + t * cols, 2, out); break;
-                    case 3: qg_tile(panel, cols, x + t * cols, 3, out); break;
-                    case 4: qg_tile(panel, cols, x + t * cols, 4, out); break;
-                    case 5: qg_tile(panel, cols, x + t * cols, 5, out); break;
-                    default: qg_tile(panel, cols, x + t * cols, 6, out); break;
-                    }
-                    for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * QG_NR, sizeof(float) * (size_t)nr);
+                for (int64_t t = 0; t < n; t += TILE_MR) {
+                    const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
+                    tile(panel, cols, x + t * cols, mr, out);
+                    for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
                 }
             }
         }
