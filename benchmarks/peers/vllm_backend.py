@@ -57,11 +57,11 @@ class VllmServer:
     def __init__(self, threads: int = 2):
         from radixkv.server.process import launch
 
-        # PYTHONSAFEPATH (-P, inherited by vLLM's own subprocesses, such as its model inspection): the
-        # repository root is not put on the path (its kernels/ would shadow the package of that name)
+        # PYTHONSAFEPATH (python -P, and inherited by vLLM's own subprocesses such as its model inspection):
+        # the repository root is not put on the path (its kernels/ would shadow the package of that name)
         env = [f"VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}",
                "VLLM_SERVER_DEV_MODE=1", "PYTHONSAFEPATH=1"]  # fmt: skip
-        cmd = ["env", *env, str(PYTHON), "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", str(CHECKPOINT),
+        cmd = ["env", *env, str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(CHECKPOINT),
                "--served-model-name", NAME, "--dtype", "float32", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE)]  # fmt: skip
         self.proc, url = launch(cmd, "/health", "vLLM", timeout=600)
