@@ -154,13 +154,14 @@ def test_the_thread_count_is_honoured():
 
 
 def test_the_prefill_path_computes_the_same_product():
-    """From DENSE_FROM tokens on, rounded activations times dequantized weights in float32
-    (panels of 16 rows, tiles of 6 tokens): float32 rounding away from the kernel's result
-    and from a float64 product of the same operands, and batch-invariant: every token's
-    row the same bits alone, in a partial tile and in any batch (300 rows: a partial
-    panel; 1 and 2 threads)."""
+    """From DENSE_FROM tokens on, panels of 16 rows and tiles of 6 tokens: integer codes for
+    the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), rounded activations times dequantized
+    weights in float32 for the K-quants (Q6_K). Float32 rounding away from the kernel's
+    result and from a float64 product of the same operands, and batch-invariant: every
+    token's row the same bits alone, in a partial tile and in any batch (300 rows: a
+    partial panel; 1 and 2 threads), and the portable build's the same bits."""
     cols = 512
-    for type_id in (3, 8, 14):
+    for type_id in (2, 3, 6, 7, 8, 14):  # the 32-value types through the integer panels, Q6_K through float32
         m = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 300, cols)), cols)
         x = torch.randn(weights.DENSE_FROM + 5, cols)
         kernel = torch.cat([m.linear(x[i : i + 1]) for i in range(len(x))])
