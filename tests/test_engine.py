@@ -360,3 +360,31 @@ def test_a_stopped_loop_fails_waiting_requests_instead_of_hanging(monkeypatch):
         with pytest.raises(RuntimeError, match="engine thread has stopped"):
             e.stats()
         assert not e.is_alive()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenMP starts workers only with two cores or more")
+def test_the_loading_thread_gives_back_its_openmp_workers():
+    """Engine releases the OpenMP workers of the thread that loaded the model, so that the
+    engine thread's are the only ones libgomp manages (more threads than cores and it stops
+    spinning between parallel regions: every region of a step then waits for a wake-up)."""
+    import threading
+
+    from radixkv.engine.engine import release_openmp_workers
+
+    counts = []
+
+    def work():
+        torch.set_num_threads(2)
+        x = torch.randn(4_000_000)
+        before = len(os.listdir("/proc/self/task"))
+        torch.exp(x)  # large enough for a parallel region: this thread's pool starts a worker
+        started = len(os.listdir("/proc/self/task"))
+        release_openmp_workers()
+        counts.extend([before, started, len(os.listdir("/proc/self/task"))])
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    before, started, released = counts
+    assert started > before  # the region started a worker
+    assert released == before  # and it is gone
