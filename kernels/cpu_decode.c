@@ -1100,18 +1100,129 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
  * positions (the new ones' K/V already in the pages; window > 0: the last `window`
  * positions up to each row), for float32 pages. A sequence's query rows for one KV head
  * are its n tokens x G heads (G = hq / hkv share the KV head); one task takes up to
- * ECHUNK of them (so one long extend still spreads over the threads), scaled once, against
- * blocks of EK positions gathered from the pages (K transposed to [d][EK]): scores in
- * vexp.h's outer-product tiles, a running maximum and sum per row (online softmax; masked
- * lanes weigh exactly zero), the weighted V sums in registers 32 dims at a time. The rows
- * share each block's K/V, where per-sequence SDPA calls paid their own setup and
+ * ECHUNK of them (so one long extend still spreads over the threads), scaled once and
+ * transposed to [d][rows], against blocks of EK positions read in place from the pages:
+ * - scores transposed, [EK][rows], in tiles of 16 rows by up to 6 positions (each
+ *   position's K value broadcast against two vectors of rows; per score one chain of
+ *   fused multiply-adds over the dims in order);
+ * - the online softmax eight rows at a time, one lane a row: the block's maximum, the
+ *   rescale alpha of the row's sums (exactly 1 where the maximum holds), the weights
+ *   e^(s - max) in place of the scores (masked positions, where a block runs past a row's
+ *   causal end, its window or the context, weigh exactly zero; blocks every row sees in
+ *   full skip the masks);
+ * - the weighted V sums in tiles of 6 rows by 16 dims, each V vector loaded once for the
+ *   tile's rows.
+ * The rows share each block's K/V, where per-sequence SDPA calls paid their own setup and
  * the decode kernel would read the context once per row. Layouts as radixkv_paged_decode;
  * q_start[i]: sequence i's first query row, n_new[i] its new tokens. Returns 0; -1 when
  * the shapes are not the kernel's (d a multiple of 32, hq a multiple of hkv) or there is
  * no AVX2 + FMA (the caller takes the reference path); -2 when a buffer cannot be had. */
 #if defined(__AVX2__) && defined(__FMA__)
-#define EK TILE_NR /* keys per block: a score tile's width */
-#define ECHUNK 96  /* query rows per task at most */
+#define EK 16      /* positions per block */
+#define ECHUNK 96  /* query rows per task at most (a multiple of 16) */
+
+/* sT[j][r0 .. r0 + 8 nv) (row stride rs) = scores of np <= 6 positions (K rows kp[j]) for
+ * 8 nv rows of qT ([d][rs], from column r0). */
+INLINE void score_tile_nv(const float *qT, int64_t rs, const float *const *kp, int64_t d, const int nv, const int np,
+                          float *sT) {
+    __m256 a[6][2];
+    for (int j = 0; j < np; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e++) {
+        const __m256 q0 = _mm256_load_ps(qT + e * rs), q1 = nv > 1 ? _mm256_load_ps(qT + e * rs + 8) : q0;
+        for (int j = 0; j < np; j++) {
+            const __m256 k = _mm256_broadcast_ss(kp[j] + e);
+            a[j][0] = _mm256_fmadd_ps(q0, k, a[j][0]);
+            if (nv > 1) a[j][1] = _mm256_fmadd_ps(q1, k, a[j][1]);
+        }
+    }
+    for (int j = 0; j < np; j++) {
+        _mm256_store_ps(sT + j * rs, a[j][0]);
+        if (nv > 1) _mm256_store_ps(sT + j * rs + 8, a[j][1]);
+    }
+}
+
+/* the EK positions of a block against 8 nv rows: tiles of 6, 6 and 4 positions */
+INLINE void score_block(const float *qT, int64_t rs, const float *const *kp, int64_t d, const int nv, float *sT) {
+    score_tile_nv(qT, rs, kp, d, nv, 6, sT);
+    score_tile_nv(qT, rs, kp + 6, d, nv, 6, sT + 6 * rs);
+    score_tile_nv(qT, rs, kp + 12, d, nv, 4, sT + 12 * rs);
+}
+
+/* o[t][0..d) = alpha[t] o[t] + sum over the block's EK positions j of pT[j][t] v_j, t < mr
+ * <= 6 (pT row stride rs, V rows vp[j], o [mr][d]): 16 dims at a time, the rows' sums in
+ * 2 mr registers, each V vector loaded once for the tile's rows. Per output one multiply
+ * by alpha, then fused multiply-adds over j in order (zero weights add exactly zero). */
+INLINE void pv_tile_mr(const float *pT, int64_t rs, const float *const *vp, int64_t d, const float *alpha,
+                       const int mr, float *o) {
+    for (int64_t e = 0; e < d; e += 16) {
+        __m256 a[6][2];
+        for (int t = 0; t < mr; t++) {
+            const __m256 va = _mm256_set1_ps(alpha[t]);
+            a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
+            a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
+        }
+#pragma GCC unroll 16
+        for (int j = 0; j < EK; j++) {
+            const __m256 v0 = _mm256_loadu_ps(vp[j] + e), v1 = _mm256_loadu_ps(vp[j] + e + 8);
+            for (int t = 0; t < mr; t++) {
+                const __m256 w = _mm256_broadcast_ss(pT + j * rs + t);
+                a[t][0] = _mm256_fmadd_ps(w, v0, a[t][0]);
+                a[t][1] = _mm256_fmadd_ps(w, v1, a[t][1]);
+            }
+        }
+        for (int t = 0; t < mr; t++) {
+            _mm256_storeu_ps(o + t * d + e, a[t][0]);
+            _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
+        }
+    }
+}
+
+INLINE void pv_tile(const float *pT, int64_t rs, const float *const *vp, int64_t d, const float *alpha, int mr,
+                    float *o) {
+    switch (mr) {  /* a constant mr in each call: the loops unroll, the sums stay in registers */
+    case 1: pv_tile_mr(pT, rs, vp, d, alpha, 1, o); break;
+    case 2: pv_tile_mr(pT, rs, vp, d, alpha, 2, o); break;
+    case 3: pv_tile_mr(pT, rs, vp, d, alpha, 3, o); break;
+    case 4: pv_tile_mr(pT, rs, vp, d, alpha, 4, o); break;
+    case 5: pv_tile_mr(pT, rs, vp, d, alpha, 5, o); break;
+    default: pv_tile_mr(pT, rs, vp, d, alpha, 6, o); break;
+    }
+}
+
+/* The online softmax of one block for 8 rows (lanes): sT's EK vectors (row stride rs) become
+ * the weights; m, l, alpha: the rows' running maximum and sum and this block's rescale.
+ * last, first: the rows' last visible position and first (window) as int32 lanes; k0 the
+ * block's first position, kn its positions in the context; full: every lane sees all EK. */
+INLINE void softmax8(float *sT, int64_t rs, float *m, float *l, float *alpha, __m256i last, __m256i first,
+                     int64_t k0, int64_t kn, int full) {
+    __m256 s[EK], valid[EK];
+    __m256 bm = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < EK; j++) {
+        s[j] = _mm256_load_ps(sT + j * rs);
+        if (!full) {
+            const __m256i pos = _mm256_set1_epi32((int)(k0 + j));
+            const __m256i ok = _mm256_andnot_si256(_mm256_or_si256(_mm256_cmpgt_epi32(pos, last), _mm256_cmpgt_epi32(first, pos)),
+                                                   _mm256_set1_epi32(j < kn ? -1 : 0));
+            valid[j] = _mm256_castsi256_ps(ok);
+            s[j] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j], valid[j]);
+        }
+        bm = _mm256_max_ps(bm, s[j]);
+    }
+    const __m256 mo = _mm256_load_ps(m), mn = _mm256_max_ps(bm, mo);
+    /* alpha: 1 where the maximum holds (a row with nothing seen yet and nothing here too), else e^(old - new) */
+    const __m256 same = _mm256_cmp_ps(mn, mo, _CMP_EQ_OQ);
+    const __m256 a = _mm256_blendv_ps(exp8_nonpositive(_mm256_sub_ps(mo, mn)), _mm256_set1_ps(1.0f), same);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < EK; j++) {
+        __m256 p = exp8_nonpositive(_mm256_sub_ps(s[j], mn));
+        if (!full) p = _mm256_and_ps(p, valid[j]);  /* masked: exactly zero (the exp clamps, and -inf - -inf is NaN) */
+        _mm256_store_ps(sT + j * rs, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    _mm256_store_ps(l, _mm256_fmadd_ps(_mm256_load_ps(l), a, sum));
+    _mm256_store_ps(m, mn);
+    _mm256_store_ps(alpha, a);
+}
 
 int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
@@ -1135,88 +1246,67 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
     int err = 0;
 #pragma omp parallel
     {
-        float *qb = aligned_alloc(32, sizeof(float) * (size_t)(ECHUNK * d));
+        float *qT = aligned_alloc(32, sizeof(float) * (size_t)(ECHUNK * d));
         float *ob = aligned_alloc(32, sizeof(float) * (size_t)(ECHUNK * d));
-        float *s = aligned_alloc(32, sizeof(float) * ECHUNK * EK);
-        float *kt = aligned_alloc(32, sizeof(float) * (size_t)(d * EK));
-        float *vb = aligned_alloc(32, sizeof(float) * (size_t)(d * EK));
-        float *m = malloc(sizeof(float) * ECHUNK), *l = malloc(sizeof(float) * ECHUNK);
-        if (!qb || !ob || !s || !kt || !vb || !m || !l) {
+        float *sT = aligned_alloc(32, sizeof(float) * ECHUNK * EK);
+        float *zero = aligned_alloc(32, sizeof(float) * (size_t)d);
+        float *m = aligned_alloc(32, sizeof(float) * ECHUNK), *l = aligned_alloc(32, sizeof(float) * ECHUNK);
+        float *alpha = aligned_alloc(32, sizeof(float) * ECHUNK);
+        int32_t *lastp = aligned_alloc(32, sizeof(int32_t) * ECHUNK), *firstp = aligned_alloc(32, sizeof(int32_t) * ECHUNK);
+        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp) {
 #pragma omp atomic write
             err = -2;
         } else {
+            memset(zero, 0, sizeof(float) * (size_t)d);
 #pragma omp for schedule(dynamic)
             for (int64_t task = 0; task < ntasks; task++) {
                 const int64_t i = task_seq[task] / hkv, h = task_seq[task] % hkv, n = n_new[i], total = seq_lens[i];
                 const int64_t c0 = task_row[task], R = n * G - c0 < ECHUNK ? n * G - c0 : ECHUNK;
+                const int64_t RS = (R + 15) / 16 * 16; /* rows padded to whole score tiles: qT's and sT's row stride */
                 /* local row r is row c0 + r of the sequence: token (c0 + r) / G, head h * G + (c0 + r) % G */
                 const int32_t *pages = kv_indices + kv_starts[i];
-                const int64_t end = total - n + (c0 + R - 1) / G + 1; /* positions the chunk's last row sees */
-                for (int64_t r = 0; r < R; r++) {
-                    const float *src = q + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
-                    for (int64_t e = 0; e < d; e++) qb[r * d + e] = src[e] * scale;
-                    m[r] = -INFINITY; l[r] = 0.0f;
+                for (int64_t r = 0; r < RS; r++) {
+                    if (r < R) {
+                        const float *src = q + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
+                        for (int64_t e = 0; e < d; e++) qT[e * RS + r] = src[e] * scale;
+                        lastp[r] = (int32_t)(total - n + (c0 + r) / G);
+                        firstp[r] = window > 0 ? lastp[r] - (int32_t)window + 1 : 0;
+                    } else {  /* padding: zero queries that see every position (their results are dropped) */
+                        for (int64_t e = 0; e < d; e++) qT[e * RS + r] = 0.0f;
+                        lastp[r] = INT32_MAX, firstp[r] = firstp[R - 1];  /* the groups' windows still rise */
+                    }
+                    m[r] = -INFINITY, l[r] = 0.0f;
                 }
                 memset(ob, 0, sizeof(float) * (size_t)(R * d));
-                for (int64_t k0 = 0; k0 < end; k0 += EK) {
+                const int64_t end = total - n + (c0 + R - 1) / G + 1; /* positions the chunk's last row sees */
+                int64_t begin = 0; /* and its first row's window */
+                if (window > 0 && firstp[0] > 0) begin = firstp[0] / EK * EK;
+                for (int64_t k0 = begin; k0 < end; k0 += EK) {
                     const int64_t kn = end - k0 < EK ? end - k0 : EK;
+                    const float *kp[EK], *vp[EK];
                     for (int64_t j = 0; j < EK; j++) {
                         if (j < kn) {
                             const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
-                            const float *kr = k_cache + (slot * hkv + h) * d, *vr = v_cache + (slot * hkv + h) * d;
-                            for (int64_t e = 0; e < d; e++) kt[e * EK + j] = kr[e];
-                            memcpy(vb + j * d, vr, sizeof(float) * (size_t)d);
-                        } else {
-                            for (int64_t e = 0; e < d; e++) kt[e * EK + j] = 0.0f;
+                            kp[j] = k_cache + (slot * hkv + h) * d, vp[j] = v_cache + (slot * hkv + h) * d;
+                        } else {  /* past the end: zero K and V (weight zero, and 0 * V is 0) */
+                            kp[j] = vp[j] = zero;
                         }
                     }
-                    /* rows whose last visible key is before k0 see nothing here: token t sees up to total - n + t */
+                    /* rows whose last visible position is before k0 see nothing here: token t sees up to total - n + t */
                     int64_t r0 = k0 - (total - n);
                     r0 = r0 <= 0 ? 0 : r0 * G - c0;
-                    r0 = r0 < 0 ? 0 : r0;
-                    for (int64_t r = r0; r < R; r += TILE_MR)
-                        tile(kt, d, qb + r * d, R - r < TILE_MR ? (int)(R - r) : TILE_MR, s + r * EK);
-                    const __m256 idx0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), idx1 = _mm256_add_ps(idx0, _mm256_set1_ps(8));
-                    for (int64_t r = r0; r < R; r++) {
-                        const int64_t last = total - n + (c0 + r) / G - k0; /* keys j <= last visible */
-                        const int64_t lim = last < kn - 1 ? last : kn - 1;
-                        const int64_t first = window > 0 ? last - window + 1 : 0; /* and j >= first */
-                        if (first > lim) continue; /* the whole block is outside the row's window */
-                        const __m256 vl = _mm256_set1_ps((float)lim), vf = _mm256_set1_ps((float)first);
-                        const __m256 in0 = _mm256_and_ps(_mm256_cmp_ps(idx0, vl, _CMP_LE_OQ), _mm256_cmp_ps(idx0, vf, _CMP_GE_OQ));
-                        const __m256 in1 = _mm256_and_ps(_mm256_cmp_ps(idx1, vl, _CMP_LE_OQ), _mm256_cmp_ps(idx1, vf, _CMP_GE_OQ));
-                        __m256 s0 = _mm256_load_ps(s + r * EK), s1 = _mm256_load_ps(s + r * EK + 8);
-                        const __m256 ninf = _mm256_set1_ps(-INFINITY);
-                        s0 = _mm256_blendv_ps(ninf, s0, in0);
-                        s1 = _mm256_blendv_ps(ninf, s1, in1);
-                        const float bm = hmax8(_mm256_max_ps(s0, s1)), mn = bm > m[r] ? bm : m[r];
-                        const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mn);
-                        const __m256 vm = _mm256_set1_ps(mn);
-                        const __m256 p0 = exp8_nonpositive(_mm256_sub_ps(s0, vm)), p1 = exp8_nonpositive(_mm256_sub_ps(s1, vm));
-                        /* masked lanes: -inf - mn = -inf, clamped to -87 in exp8: tiny, not zero; zero them */
-                        const __m256 q0 = _mm256_blendv_ps(_mm256_setzero_ps(), p0, in0);
-                        const __m256 q1 = _mm256_blendv_ps(_mm256_setzero_ps(), p1, in1);
-                        float pw[EK] __attribute__((aligned(32)));
-                        _mm256_store_ps(pw, q0); _mm256_store_ps(pw + 8, q1);
-                        l[r] = l[r] * alpha + hsum8(_mm256_add_ps(q0, q1));
-                        m[r] = mn;
-                        float *o = ob + r * d;
-                        const __m256 va = _mm256_set1_ps(alpha);
-                        for (int64_t e = 0; e < d; e += 32) {
-                            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(o + e), va), a1 = _mm256_mul_ps(_mm256_loadu_ps(o + e + 8), va);
-                            __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(o + e + 16), va), a3 = _mm256_mul_ps(_mm256_loadu_ps(o + e + 24), va);
-                            for (int64_t j = first > 0 ? first : 0; j <= lim; j++) {
-                                const __m256 w = _mm256_broadcast_ss(pw + j);
-                                const float *v = vb + j * d + e;
-                                a0 = _mm256_fmadd_ps(w, _mm256_load_ps(v), a0);
-                                a1 = _mm256_fmadd_ps(w, _mm256_load_ps(v + 8), a1);
-                                a2 = _mm256_fmadd_ps(w, _mm256_load_ps(v + 16), a2);
-                                a3 = _mm256_fmadd_ps(w, _mm256_load_ps(v + 24), a3);
-                            }
-                            _mm256_storeu_ps(o + e, a0); _mm256_storeu_ps(o + e + 8, a1);
-                            _mm256_storeu_ps(o + e + 16, a2); _mm256_storeu_ps(o + e + 24, a3);
-                        }
+                    r0 = r0 < 0 ? 0 : r0 / 8 * 8;
+                    for (int64_t r = r0; r < RS; r += 16) {
+                        if (RS - r >= 16) score_block(qT + r, RS, kp, d, 2, sT + r);
+                        else score_block(qT + r, RS, kp, d, 1, sT + r);
                     }
+                    for (int64_t r = r0; r < RS; r += 8) {
+                        const int full = kn == EK && k0 + EK - 1 <= lastp[r] && (window <= 0 || k0 >= firstp[r + 7]);
+                        softmax8(sT + r, RS, m + r, l + r, alpha + r, _mm256_load_si256((const __m256i *)(lastp + r)),
+                                 _mm256_load_si256((const __m256i *)(firstp + r)), k0, kn, full);
+                    }
+                    for (int64_t r = r0; r < R; r += 6)
+                        pv_tile(sT + r, RS, vp, d, alpha + r, R - r < 6 ? (int)(R - r) : 6, ob + r * d);
                 }
                 for (int64_t r = 0; r < R; r++) {
                     float *dst = out + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
@@ -1225,7 +1315,7 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
                 }
             }
         }
-        free(qb), free(ob), free(s), free(kt), free(vb), free(m), free(l);
+        free(qT), free(ob), free(sT), free(zero), free(m), free(l), free(alpha), free(lastp), free(firstp);
     }
     free(task_seq), free(task_row);
     return err;
