@@ -99,8 +99,8 @@ class CpuBackend(TorchBackend):
         super().plan(batch)
         rows = [i for i, n in enumerate(batch.qo_lens) if n == 1]
         self.decode_rows = frozenset(rows)
-        # extends (several new tokens after cached ones), for the extend kernel
-        ext = [i for i, n in enumerate(batch.qo_lens) if 1 < n < batch.seq_lens[i]] if self._extend_kernel else []
+        # prefills and extends (several new tokens, after cached ones or not), for the extend kernel
+        ext = [i for i, n in enumerate(batch.qo_lens) if n > 1] if self._extend_kernel else []
         self.extends = frozenset(ext)
         if rows or ext:  # both kernels read the page tables
             self._kv_indices = batch.kv_indices.cpu().to(torch.int32).contiguous()

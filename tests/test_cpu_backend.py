@@ -66,21 +66,24 @@ def test_decode_rows_go_to_the_kernel_and_the_rest_to_sdpa(cpu, monkeypatch):
     assert calls == []  # a pure decode batch never reaches SDPA
     lens = [1, 12, 1, 30]
     check_against_dense(cpu, random_case(2, lens, [50, 7, 3, 0], 4, 9, 3, torch.float32, dim=64), lens, 0.125)
-    # the two decode rows and the extend (12 new after 7 cached) skipped there: the kernels'; the prefill SDPA's
-    assert calls == [frozenset({0, 1, 2})]
+    assert calls == []  # decode rows, the extend (12 new after 7 cached) and the prefill: all the kernels'
+    lens = [1, 12]
+    check_against_dense(cpu, random_case(3, lens, [50, 7], 4, 9, 3, torch.float32, dim=64), lens, 0.125, softcap=20.0)
+    assert calls == [frozenset({0})]  # soft-capped: the decode kernel takes the row, SDPA the extend
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq, hkv", [(9, 3), (4, 4), (8, 1)])
 def test_extends_go_to_the_extend_kernel(cpu, monkeypatch, page_size, hq, hkv):
-    """Sequences adding several tokens after cached ones: the extend kernel, equal to dense
-    attention (each new token causal, under a window too), ragged lengths across its blocks
-    of 16 positions; prefills, decode rows and soft-capped logits go elsewhere."""
+    """Sequences adding several tokens, after cached ones or from the start: the extend
+    kernel, equal to dense attention (each new token causal, under a window too), ragged
+    lengths across its blocks of 16 positions; decode rows and soft-capped logits go
+    elsewhere."""
     calls = spy_on_sdpa_path(cpu, monkeypatch)
     lens, prefixes = [5, 1, 40, 2, 17, 33], [11, 20, 0, 1, 16, 130]
     case = random_case(6, lens, prefixes, page_size, hq, hkv, torch.float32, dim=64)
     check_against_dense(cpu, case, lens, 0.125)
-    assert calls == [frozenset({0, 1, 3, 4, 5})]  # only the prefill (index 2) reached SDPA
+    assert calls == []  # the prefill (index 2) too: nothing reached SDPA
     check_against_dense(cpu, case, lens, 0.125, window=7)
     calls.clear()
     check_against_dense(cpu, case, lens, 0.125, softcap=20.0)
