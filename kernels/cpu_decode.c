@@ -931,6 +931,15 @@ INLINE void range_of(int64_t len, int64_t window, int64_t part, int64_t parts, i
     *from = first + (len - first) * part / parts, *to = first + (len - first) * (part + 1) / parts;
 }
 
+#define DCHUNK 128 /* positions per range of a decode row's context, about */
+
+/* the ranges a context of len positions (its last `window`, window > 0) is split into */
+INLINE int64_t parts_of(int64_t len, int64_t window) {
+    const int64_t span = (window > 0 && len > window) ? window : len;
+    const int64_t parts = (span + DCHUNK - 1) / DCHUNK;
+    return parts < 1 ? 1 : parts;
+}
+
 /* Decode attention of n sequences into out (see the top of this file). kv_format:
  * KV_FP32 (k_params, v_params, scales, basis and the own-page rows unused), KV_INT8 (basis
  * NULL: rows stored as they are; own-page rows unused) or KV_INT4 (scales unused; basis
@@ -953,36 +962,46 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
                          int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, int64_t window,
                          float softcap, int64_t kv_format) {
     if (kv_format != KV_FP32 && kv_format != KV_INT8 && kv_format != KV_INT4) return -1;
-    /* Fewer sequences than twice the threads: split each context into `parts` ranges, so
-     * that one long sequence still keeps every thread reading (a thread streams its own
-     * contiguous range; splitting by KV head instead measured slower). */
-    const int64_t threads = omp_get_max_threads();
-    const int64_t parts = n >= 2 * threads ? 1 : (2 * threads + n - 1) / n;
-    const int64_t stride = hq * (d + 2); /* one part's acc [hq][d], m [hq], l [hq] */
-    float *partial = malloc(sizeof(float) * (size_t)(n * parts * stride));
-    /* observed contexts split into ranges: each row's offset into kept (hq floats per
-     * position), the kept weights, and each range's share per head [n * parts][hq] */
-    const int split_mass = mass != NULL && parts > 1;
+    /* Each context split into ranges of about DCHUNK positions, so that one long sequence
+     * still keeps every thread reading (a thread streams its own contiguous range;
+     * splitting by KV head instead measured slower). The ranges depend on the sequence
+     * alone, never on the batch or the threads: a row's output is the same bits alone or
+     * in any batch. part_at[i]: sequence i's first range (its ranges: part_at[i + 1] -
+     * part_at[i]); seq_of[t]: range t's sequence. */
+    int64_t *part_at = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (part_at == NULL) return -1;
+    part_at[0] = 0;
+    for (int64_t i = 0; i < n; i++) part_at[i + 1] = part_at[i] + parts_of(seq_lens[i], window);
+    const int64_t ntasks = part_at[n];
+    int64_t *seq_of = malloc(sizeof(int64_t) * (size_t)(ntasks > 0 ? ntasks : 1));
+    const int64_t stride = hq * (d + 2); /* one range's acc [hq][d], m [hq], l [hq] */
+    float *partial = malloc(sizeof(float) * (size_t)((ntasks > 0 ? ntasks : 1) * stride));
+    /* observed contexts split into ranges: each such row's offset into kept (hq floats per
+     * position; -1: in one range, observed as its task ends), the kept weights, and each
+     * range's share per head [ntasks][hq] */
+    const int split_mass = mass != NULL && ntasks > n;
     int64_t *kept_at = NULL;
     float *kept = NULL, *shares = NULL;
     if (split_mass) {
         kept_at = malloc(sizeof(int64_t) * (size_t)n);
         int64_t size = 0;
         for (int64_t i = 0; kept_at != NULL && i < n; i++) {
-            kept_at[i] = size;
-            if (mass_at[i] >= 0) size += hq * seq_lens[i];
+            kept_at[i] = mass_at[i] >= 0 && part_at[i + 1] - part_at[i] > 1 ? size : -1;
+            if (kept_at[i] >= 0) size += hq * seq_lens[i];
         }
         kept = malloc(sizeof(float) * (size_t)(size > 0 ? size : 1));
-        shares = malloc(sizeof(float) * (size_t)(n * parts * hq));
+        shares = malloc(sizeof(float) * (size_t)(ntasks * hq));
     }
-    if (partial == NULL || (split_mass && (kept_at == NULL || kept == NULL || shares == NULL))) {
-        free(partial), free(kept_at), free(kept), free(shares);
+    if (seq_of == NULL || partial == NULL || (split_mass && (kept_at == NULL || kept == NULL || shares == NULL))) {
+        free(part_at), free(seq_of), free(partial), free(kept_at), free(kept), free(shares);
         return -1;
     }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t t = part_at[i]; t < part_at[i + 1]; t++) seq_of[t] = i;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n * parts; task++) {
-        const int64_t i = task / parts, part = task % parts;
+    for (int64_t task = 0; task < ntasks; task++) {
+        const int64_t i = seq_of[task], part = task - part_at[i], parts = part_at[i + 1] - part_at[i];
         const int64_t len = seq_lens[i];
         int64_t from, to;
         range_of(len, window, part, parts, &from, &to);
@@ -994,7 +1013,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         const int64_t span = to - from;
         /* this range's share of the row's mass, and where it keeps its weights when split */
         float *mass_i = mass != NULL && mass_at[i] >= 0 ? mass + mass_at[i] + from : NULL;
-        float *kept_i = mass_i != NULL && kept != NULL ? kept + kept_at[i] + hq * from : NULL;
+        float *kept_i = mass_i != NULL && kept != NULL && kept_at[i] >= 0 ? kept + kept_at[i] + hq * from : NULL;
         /* scratch: the scores [hq][span]; int8 also keeps the range's slots [span] (first,
          * for their alignment), a scale per token and KV head and a turned query [hq][d];
          * int4 the slots, two parameters per token and KV head, and attend_part_int4's rest */
@@ -1057,8 +1076,9 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
      * total weight; an observed split row's shares (weight / total) recorded per part */
     for (int64_t i = 0; i < n && !failed; i++)
         for (int64_t j = 0; j < hq; j++) {
-            const float *base = partial + i * parts * stride;
-            float *share = kept != NULL && mass_at[i] >= 0 ? shares + i * parts * hq + j : NULL;
+            const int64_t parts = part_at[i + 1] - part_at[i];
+            const float *base = partial + part_at[i] * stride;
+            float *share = kept != NULL && kept_at[i] >= 0 ? shares + part_at[i] * hq + j : NULL;
             float top = -INFINITY, total = 0.0f;
             for (int64_t p = 0; p < parts; p++) {
                 const float *m = base + p * stride + hq * d, *l = m + hq;
@@ -1081,15 +1101,15 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
     /* the split rows' mass: each range's kept weights times its shares */
     if (kept != NULL && !failed) {
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t task = 0; task < n * parts; task++) {
-            const int64_t i = task / parts;
+        for (int64_t task = 0; task < ntasks; task++) {
+            const int64_t i = seq_of[task];
             int64_t from, to;
-            range_of(seq_lens[i], window, task % parts, parts, &from, &to);
-            if (mass_at[i] < 0 || from == to) continue;
+            range_of(seq_lens[i], window, task - part_at[i], part_at[i + 1] - part_at[i], &from, &to);
+            if (kept_at[i] < 0 || from == to) continue;
             add_heads(mass + mass_at[i] + from, kept + kept_at[i] + hq * from, shares + task * hq, hq, to - from);
         }
     }
-    free(partial), free(kept_at), free(kept), free(shares);
+    free(part_at), free(seq_of), free(partial), free(kept_at), free(kept), free(shares);
     return failed ? -1 : 0;
 }
 

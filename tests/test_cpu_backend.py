@@ -47,6 +47,28 @@ def test_long_context_window_and_softcap(cpu, prefixes):
         check_against_dense(cpu, case, lens, scale=0.125, window=window, softcap=softcap)
 
 
+def test_a_decode_row_is_the_same_bits_alone_in_any_batch_and_on_any_threads(cpu):
+    """The kernel splits a long context into ranges by its own length (so one sequence
+    still spreads over the threads), never by the batch or the thread count: a row's
+    output does not depend on the rows beside it or on the threads."""
+    lens, prefixes = [1, 1, 1, 1], [700, 300, 40, 1500]
+    batch, q, k, v, kv, *_ = random_case(12, lens, prefixes, 16, 9, 3, torch.float32, dim=64)
+    cpu.plan(batch)
+    together = cpu.forward(q, k, v, kv, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            cpu.plan(batch)
+            assert torch.equal(cpu.forward(q, k, v, kv, 0.125), together)
+            for i, p in enumerate(prefixes):
+                pages = batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]].numpy()
+                cpu.plan(ForwardBatch.build([SeqInput([0], p, pages)], 16))
+                assert torch.equal(cpu.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], kv, 0.125)[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def spy_on_sdpa_path(impl, monkeypatch):
     """Record which sequences each call of the reference (SDPA) path leaves to the kernel."""
     calls = []
