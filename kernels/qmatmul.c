@@ -360,6 +360,18 @@ static inline __attribute__((always_inline)) void split_codes(int type, const ui
     }
 }
 
+/* split_codes with the type a constant in each call (its branches fold) */
+static inline __attribute__((always_inline)) void block_codes(int type, const uint8_t *qs, const uint8_t *qh, int64_t i,
+                                                              __m256i w[2]) {
+    switch (type) {
+    case T_Q4_0: split_codes(T_Q4_0, qs, qh, i, w); break;
+    case T_Q4_1: split_codes(T_Q4_1, qs, qh, i, w); break;
+    case T_Q5_0: split_codes(T_Q5_0, qs, qh, i, w); break;
+    case T_Q5_1: split_codes(T_Q5_1, qs, qh, i, w); break;
+    default: split_codes(T_Q8_0, qs, qh, i, w); break;
+    }
+}
+
 /* int32 sums of eight blocks (8 lanes each) -> one vector of the eight totals, in order */
 static inline __m256i reduce8(__m256i a01, __m256i a23, __m256i a45, __m256i a67) {
     __m256i lo = _mm256_hadd_epi32(a01, a23), hi = _mm256_hadd_epi32(a45, a67);
@@ -619,13 +631,7 @@ static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
         const float base = type == T_Q5_0 ? -16.0f : type == T_Q4_0 ? -8.0f : 0.0f;
         for (int64_t i = 0; i < nb; i++, y += 32) {
             __m256i c[2];
-            switch (type) {  /* constant types: split_codes' branches fold */
-            case T_Q4_0: split_codes(T_Q4_0, w + f.qs, w + f.qh, i, c); break;
-            case T_Q4_1: split_codes(T_Q4_1, w + f.qs, w + f.qh, i, c); break;
-            case T_Q5_0: split_codes(T_Q5_0, w + f.qs, w + f.qh, i, c); break;
-            case T_Q5_1: split_codes(T_Q5_1, w + f.qs, w + f.qh, i, c); break;
-            default: split_codes(T_Q8_0, w + f.qs, w + f.qh, i, c); break;
-            }
+            block_codes(type, w + f.qs, w + f.qh, i, c);
             float d = half(w + 2 * i), m = f.has_m ? half(w + f.m + 2 * i) : base * d;
             const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
             for (int h = 0; h < 2; h++) {
@@ -923,13 +929,7 @@ static void row_codes(int type, const uint8_t *row, int64_t nb, int16_t *u, floa
         m[i] = f.has_m ? half(row + f.m + 2 * i) : base * d[i];
 #ifdef USE_AVX2
         __m256i c[2];
-        switch (type) {  /* constant types: split_codes' branches fold */
-        case T_Q4_0: split_codes(T_Q4_0, row + f.qs, row + f.qh, i, c); break;
-        case T_Q4_1: split_codes(T_Q4_1, row + f.qs, row + f.qh, i, c); break;
-        case T_Q5_0: split_codes(T_Q5_0, row + f.qs, row + f.qh, i, c); break;
-        case T_Q5_1: split_codes(T_Q5_1, row + f.qs, row + f.qh, i, c); break;
-        default: split_codes(T_Q8_0, row + f.qs, row + f.qh, i, c); break;
-        }
+        block_codes(type, row + f.qs, row + f.qh, i, c);
         _mm256_storeu_si256((__m256i *)(u + 32 * i), c[0]);
         _mm256_storeu_si256((__m256i *)(u + 32 * i + 16), c[1]);
 #else
