@@ -50,7 +50,7 @@
 #define USE_AVX2 1
 #endif
 
-#include "vexp.h"  /* exp_nonpositive, exp8_nonpositive (shared with cpu_decode.c) */
+#include "vexp.h"  /* INLINE, exp_nonpositive, exp8_nonpositive (shared with cpu_decode.c) */
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
@@ -322,6 +322,13 @@ void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *o
 #define NT_MAX 4
 
 #ifdef USE_AVX2
+/* the sum of v's eight lanes, in one fixed order */
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 static inline __m256i bytes16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256i xcodes(const int16_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
 
@@ -377,6 +384,23 @@ static inline __m256i reduce8(__m256i a01, __m256i a23, __m256i a45, __m256i a67
     __m256i lo = _mm256_hadd_epi32(a01, a23), hi = _mm256_hadd_epi32(a45, a67);
     return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
+#else
+/* The 16-bit codes of block i of a split row (nb blocks), u[32]: block_codes' values. */
+static void unpack_block(int type, const uint8_t *row, int64_t nb, int64_t i, int16_t u[32]) {
+    const split_fields f = fields_of(type, nb);
+    uint8_t blk[34];
+    gather_block(type, row, nb, i, blk);
+    const uint8_t *p = blk + 2 + 2 * f.has_m, *c = f.has_qh ? p + 4 : p;
+    const uint32_t bits = f.has_qh ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24 : 0;
+    for (int j = 0; j < 16; j++) {
+        if (type == T_Q8_0) {
+            u[j] = (int8_t)c[j], u[j + 16] = (int8_t)c[j + 16];
+        } else {
+            u[j] = (int16_t)((c[j] & 0xF) | (((bits >> j) & 1) << 4));
+            u[j + 16] = (int16_t)((c[j] >> 4) | (((bits >> (j + 16)) & 1) << 4));
+        }
+    }
+}
 #endif
 
 /* The 32-value types, split rows: codes u stand for d u + m (Q4_0: m = -8 d, Q5_0: m = -16 d;
@@ -426,19 +450,11 @@ static inline __attribute__((always_inline)) void dot_split(int type, const uint
 #else
     float sum[NT_MAX][2], corr[NT_MAX][2];
     for (int t = 0; t < nt; t++) sum[t][0] = sum[t][1] = corr[t][0] = corr[t][1] = 0.0f;
-    const int q8 = type == T_Q8_0, five = f.has_qh;
-    uint8_t blk[34];
     for (int64_t i = 0; i < nb; i++) {
         const int k = (int)(i & 1);
-        gather_block(type, row, nb, i, blk);
-        float d = half(blk), m = q8 ? 0.0f : f.has_m ? half(blk + 2) : base * d;
-        const uint8_t *p = blk + 2 + 2 * f.has_m, *c = five ? p + 4 : p;
-        uint32_t bits = five ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24 : 0;
-        int u[32];
-        for (int j = 0; j < 16; j++) {
-            u[j] = q8 ? (int)(int8_t)c[j] : (int)((c[j] & 0xF) | (((bits >> j) & 1) << 4));
-            u[j + 16] = q8 ? (int)(int8_t)c[j + 16] : (int)((c[j] >> 4) | (((bits >> (j + 16)) & 1) << 4));
-        }
+        const float d = half(row + 2 * i), m = type == T_Q8_0 ? 0.0f : f.has_m ? half(row + f.m + 2 * i) : base * d;
+        int16_t u[32];
+        unpack_block(type, row, nb, i, u);
         for (int t = 0; t < nt; t++) {
             const int16_t *q = xs[t].q + 32 * i;
             int isum = 0;
@@ -693,14 +709,19 @@ static void xbuf_free(xbuf *b) {
     free(b->d);
 }
 
+/* n tokens' activations x[n, cols] rounded into xb, by every thread of a parallel region
+ * (the loop is shared out; it ends with the region's barrier) */
+static void quantize_rows(const float *x, int64_t n, int64_t cols, const xbuf *xb) {
+    const int64_t blocks = n * (cols / 32);
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < blocks; k++) quantize_block(x + 32 * k, xb->q + 32 * k, xb->d + k, xb->s + k);
+}
+
 /* y[n, rows] = x[n, cols] . W^T, called by every thread of a parallel region (its loops
  * are shared out among them; each ends with the region's barrier). */
 static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
     const int64_t nb = m->cols / 32, rb = row_bytes(m->type, m->cols), rows = m->rows;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < n; b++)
-        for (int64_t i = 0; i < nb; i++)
-            quantize_block(x + b * m->cols + 32 * i, xb->q + (b * nb + i) * 32, xb->d + b * nb + i, xb->s + b * nb + i);
+    quantize_rows(x, n, m->cols, xb);
     int64_t chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
@@ -809,11 +830,62 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
  * few dozen tokens). Tiles of TILE_MR tokens by the panel's TILE_NR rows (vexp.h's tile):
  * y[t, r] is one chain of fused multiply-adds over the columns in order, from zero,
  * whatever n, the tile or the thread count (and the portable loop takes the same steps):
- * a token's result does not depend on its batch. x is what the caller passes (the native
- * model: the activations as radixkv_round_activations rounds them). */
+ * a token's result does not depend on its batch. The K-quants take this path
+ * (radixkv_qgemm, below), x the activations as the kernel rounds them. */
+
+/* ---- a tile of outer products ----
+ *
+ * out[t][0..TILE_NR) = sum over k < depth of x[t * depth + k] * panel[k][0..TILE_NR), for
+ * t < mr <= TILE_MR rows of x (row stride depth); panel [depth][TILE_NR] 32-byte aligned,
+ * out [mr][TILE_NR] too. Per k: two vectors of the panel, each row's value broadcast,
+ * 2 mr fused multiply-adds (12 accumulators at most: the 16 AVX2 registers' share). Each
+ * output is one chain of fused multiply-adds over k in order, from zero, whatever mr (and
+ * the portable loop takes the same steps, fmaf rounding once as the lanes do), so a row's
+ * result does not depend on the rows beside it. */
+#define TILE_NR 16 /* columns: two 8-lane vectors */
+#define TILE_MR 6  /* rows at most */
+
+INLINE void tile_mr(const float *panel, int64_t depth, const float *x, const int mr, float *out) {
+#ifdef USE_AVX2
+    __m256 a[TILE_MR][2];
+    for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < depth; k++) {
+        const __m256 w0 = _mm256_load_ps(panel + k * TILE_NR), w1 = _mm256_load_ps(panel + k * TILE_NR + 8);
+        for (int t = 0; t < mr; t++) {
+            const __m256 xb = _mm256_broadcast_ss(x + t * depth + k);
+            a[t][0] = _mm256_fmadd_ps(xb, w0, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(xb, w1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < mr; t++) {
+        _mm256_store_ps(out + t * TILE_NR, a[t][0]);
+        _mm256_store_ps(out + t * TILE_NR + 8, a[t][1]);
+    }
+#else
+    for (int t = 0; t < mr; t++)
+        for (int r = 0; r < TILE_NR; r++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < depth; k++) s = fmaf(x[t * depth + k], panel[k * TILE_NR + r], s);
+            out[t * TILE_NR + r] = s;
+        }
+#endif
+}
+
+/* tile_mr with mr a constant in each call (the loops unroll and the accumulators stay in
+ * registers: both need it inlined where it is used) */
+INLINE void tile(const float *panel, int64_t depth, const float *x, int mr, float *out) {
+    switch (mr) {
+    case 1: tile_mr(panel, depth, x, 1, out); break;
+    case 2: tile_mr(panel, depth, x, 2, out); break;
+    case 3: tile_mr(panel, depth, x, 3, out); break;
+    case 4: tile_mr(panel, depth, x, 4, out); break;
+    case 5: tile_mr(panel, depth, x, 5, out); break;
+    default: tile_mr(panel, depth, x, 6, out); break;
+    }
+}
 
 /* [TILE_NR][width] 32-bit elements (rows 32-byte aligned, width a multiple of 8) as
- * [width][TILE_NR]: floats, or pairs of 16-bit codes (radixkv_igemm's panels). */
+ * [width][TILE_NR]: floats, or pairs of 16-bit codes (the integer panels). */
 static void transpose_panel(const float *tmp, int64_t width, float *panel) {
 #ifdef USE_AVX2
     for (int64_t k = 0; k < width; k += 8)  /* 8 x 8 transposes */
@@ -854,59 +926,21 @@ static void qg_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
     transpose_panel(tmp, cols, panel);
 }
 
-/* y[n, rows] = x[n, cols] . W^T, W in the kernels' layout. Returns 0; -1 for an unknown
- * type or a row length its blocks do not divide; -2 when a thread's buffers cannot be
- * allocated. Threads take contiguous ranges of panels. */
-int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
-                  int threads) {
-    const int64_t rb = row_bytes(type, cols);
-    if (rb < 0) return -1;
-    const int64_t panels = (rows + TILE_NR - 1) / TILE_NR;
-    int err = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *tmp = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */
-        float *panel = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);
-        float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
-        if (!tmp || !panel || !out) {
-#pragma omp atomic write
-            err = -2;
-        } else {
-            const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
-            for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) {
-                const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
-                qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
-                for (int64_t t = 0; t < n; t += TILE_MR) {
-                    const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-                    tile(panel, cols, x + t * cols, mr, out);
-                    for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
-                }
-            }
-        }
-        free(tmp);
-        free(panel);
-        free(out);
-    }
-    return err;
-}
-
 /* ---- the 32-value types, many tokens: integer products ----
  *
  * y[n, rows] = x[n, cols] . W^T for the split types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the
  * same quantity as radixkv_qmatmul (the weights' codes times the activations' 16-bit codes,
  * exact integer sums per block of 32, scaled once per block) for many tokens at once. Per
  * panel of TILE_NR rows the codes go to 16-bit pairs [cols / 2][TILE_NR] (18 KiB at 576
- * columns, 48 at 1536: in cache) beside each block's d and m of the rows; tiles of IG_MR
+ * columns, 48 at 1536: in cache) beside each block's d and m of the rows; tiles of TILE_MR
  * tokens by the panel's rows then multiply a pair of codes of eight rows by a token's pair
  * broadcast: pmaddwd and an add, 16 multiply-adds for two instructions, or AVX512-VNNI's
  * vpdpwssd, 16 in one, where a float32 fused multiply-add does 8 (measured on two Zen 4
- * cores: 1.6x radixkv_qgemm with VNNI, 1.2x with the AVX2 pair). A block's sums are exact
+ * cores: 1.6x the float32 panels with VNNI, 1.2x with the AVX2 pair). A block's sums are exact
  * in int32; then per block and output y = fma(float(sum), d dx, y), y = fma(m, s, y) (s =
  * dx * the sum of the token's codes), blocks in order from zero, whatever n, the tile or
  * the threads, and the portable loop takes the same steps: a token's result is the same
  * bits alone, in any batch, with or without VNNI. */
-#define IG_MR 6  /* tokens of a tile: 12 int32 accumulators, two vectors of codes, a broadcast */
-
 #ifdef USE_AVX2
 /* acc + the pairwise products of w and x summed in 32-bit lanes (one instruction with AVX512-VNNI) */
 INLINE __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
@@ -933,18 +967,7 @@ static void row_codes(int type, const uint8_t *row, int64_t nb, int16_t *u, floa
         _mm256_storeu_si256((__m256i *)(u + 32 * i), c[0]);
         _mm256_storeu_si256((__m256i *)(u + 32 * i + 16), c[1]);
 #else
-        uint8_t blk[34];
-        gather_block(type, row, nb, i, blk);
-        const uint8_t *p = blk + 2 + 2 * f.has_m, *c = f.has_qh ? p + 4 : p;
-        const uint32_t bits = f.has_qh ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24 : 0;
-        for (int j = 0; j < 16; j++) {
-            if (type == T_Q8_0) {
-                u[32 * i + j] = (int8_t)c[j], u[32 * i + j + 16] = (int8_t)c[j + 16];
-            } else {
-                u[32 * i + j] = (int16_t)((c[j] & 0xF) | (((bits >> j) & 1) << 4));
-                u[32 * i + j + 16] = (int16_t)((c[j] >> 4) | (((bits >> (j + 16)) & 1) << 4));
-            }
-        }
+        unpack_block(type, row, nb, i, u + 32 * i);
 #endif
     }
 }
@@ -968,14 +991,14 @@ static void ig_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
 }
 
 /* out[t][0..TILE_NR) = the panel's rows times token t's codes (xq + t cols, scales xd + t nb
- * and sums xs + t nb), t < mr <= IG_MR; out [mr][TILE_NR] 32-byte aligned. */
+ * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. */
 INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
                       const float *xd, const float *xs, const int mr, float *out) {
 #ifdef USE_AVX2
     for (int t = 0; t < mr; t++) _mm256_store_ps(out + t * TILE_NR, _mm256_setzero_ps()),
                                  _mm256_store_ps(out + t * TILE_NR + 8, _mm256_setzero_ps());
     for (int64_t i = 0; i < nb; i++) {
-        __m256i a[IG_MR][2];
+        __m256i a[TILE_MR][2];  /* 12 int32 accumulators, two vectors of codes, a broadcast */
         for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_si256();
         const int16_t *c = codes + i * 32 * TILE_NR;  /* 16 pairs of the block's columns x TILE_NR rows */
 #pragma GCC unroll 16
@@ -1027,50 +1050,65 @@ INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t co
     case 3: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 3, out); break;
     case 4: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 4, out); break;
     case 5: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 5, out); break;
-    default: igtile_mr(codes, dm, nb, cols, xq, xd, xs, IG_MR, out); break;
+    default: igtile_mr(codes, dm, nb, cols, xq, xd, xs, TILE_MR, out); break;
     }
 }
 
-/* y[n, rows] = x[n, cols] . W^T for a split type in the kernels' layout, x float32 (rounded
- * here as radixkv_qmatmul rounds it). Returns 0; -1 for another type or a row length its
- * blocks do not divide; -2 when a buffer cannot be allocated. Threads take contiguous ranges
- * of panels. */
-int radixkv_igemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
+/* ---- the dense products ----
+ *
+ * y[n, rows] = x[n, cols] . W^T for many tokens (prefill and extend rows), W in the kernels'
+ * layout, x float32, rounded here as radixkv_qmatmul rounds it: the 32-value types on the
+ * integer panels, the K-quants on the float32 panels (of the rounded activations). Returns
+ * 0; -1 for an unknown type or a row length its blocks do not divide; -2 when a buffer
+ * cannot be allocated. Threads take contiguous ranges of panels. */
+int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                   int threads) {
     const int64_t rb = row_bytes(type, cols);
-    if (rb < 0 || !is_split(type)) return -1;
+    if (rb < 0) return -1;
+    const int split = is_split(type);
     const int64_t nb = cols / 32, panels = (rows + TILE_NR - 1) / TILE_NR;
     xbuf xb;
     if (xbuf_alloc(&xb, n, nb)) return -2;
+    float *xr = split ? NULL : malloc(sizeof(float) * (size_t)(n * cols)); /* the float panels' activations */
+    if (!split && xr == NULL) {
+        xbuf_free(&xb);
+        return -2;
+    }
     int err = 0;
 #pragma omp parallel num_threads(threads)
     {
+        quantize_rows(x, n, cols, &xb);
+        if (!split) {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < n; b++)
-            for (int64_t i = 0; i < nb; i++)
-                quantize_block(x + b * cols + 32 * i, xb.q + (b * nb + i) * 32, xb.d + b * nb + i, xb.s + b * nb + i);
-        int16_t *tmp = aligned_alloc(32, sizeof(int16_t) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */
-        int16_t *codes = aligned_alloc(32, sizeof(int16_t) * TILE_NR * (size_t)cols);
-        float *dm = aligned_alloc(32, sizeof(float) * 2 * TILE_NR * (size_t)nb);
-        float *dtmp = malloc(sizeof(float) * 2 * (size_t)nb);
-        float *out = aligned_alloc(32, sizeof(float) * TILE_NR * IG_MR);
-        if (!tmp || !codes || !dm || !dtmp || !out) {
+            for (int64_t k = 0; k < n * cols; k++) xr[k] = xb.d[k / 32] * (float)xb.q[k];
+        }
+        /* a panel: float32 [cols][TILE_NR], or the integer one's 16-bit codes in its first half
+         * and each block's d and m of its rows beside (dm, through dtmp) */
+        float *tmp = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */
+        float *panel = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);
+        float *dm = split ? aligned_alloc(32, sizeof(float) * 2 * TILE_NR * (size_t)nb) : NULL;
+        float *dtmp = split ? malloc(sizeof(float) * 2 * (size_t)nb) : NULL;
+        float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
+        if (!tmp || !panel || !out || (split && (!dm || !dtmp))) {
 #pragma omp atomic write
             err = -2;
         } else {
             const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
             for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) {
                 const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
-                ig_panel(type, w, rb, r0, nr, cols, tmp, dtmp, codes, dm);
-                for (int64_t t = 0; t < n; t += IG_MR) {
-                    const int mr = n - t < IG_MR ? (int)(n - t) : IG_MR;
-                    igtile(codes, dm, nb, cols, xb.q + t * cols, xb.d + t * nb, xb.s + t * nb, mr, out);
+                if (split) ig_panel(type, w, rb, r0, nr, cols, (int16_t *)tmp, dtmp, (int16_t *)panel, dm);
+                else qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
+                for (int64_t t = 0; t < n; t += TILE_MR) {
+                    const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
+                    if (split) igtile((const int16_t *)panel, dm, nb, cols, xb.q + t * cols, xb.d + t * nb, xb.s + t * nb, mr, out);
+                    else tile(panel, cols, xr + t * cols, mr, out);
                     for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
                 }
             }
         }
-        free(tmp), free(codes), free(dm), free(dtmp), free(out);
+        free(tmp), free(panel), free(dm), free(dtmp), free(out);
     }
+    free(xr);
     xbuf_free(&xb);
     return err;
 }

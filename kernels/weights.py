@@ -43,7 +43,6 @@ TYPES = {
     14: ("Q6_K", 256, 210),
 }
 
-SPLIT_TYPES = frozenset({2, 3, 6, 7, 8})  # the 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 DENSE_FROM = 32  # tokens from which linear() takes the panel path by default
 
 class QMat(ctypes.Structure):
@@ -104,8 +103,6 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_sgemm_small.restype = None
             lib.radixkv_qgemm.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
             lib.radixkv_qgemm.restype = _int
-            lib.radixkv_igemm.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
-            lib.radixkv_igemm.restype = _int
             q, f = ctypes.POINTER(QMat), ctypes.c_float
             lib.radixkv_qk_norm.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, f, _int]
             lib.radixkv_qk_norm.restype = None
@@ -201,17 +198,17 @@ class PackedMatrix:
 
         The kernel multiplies the blocks in place, a few tokens against each row; with
         ``dense`` (default: from ``DENSE_FROM`` tokens on) the same product is taken on
-        panels of sixteen rows that stay in cache, tiles of six tokens by the panel's rows:
-        for the 32-value types on integers (``radixkv_igemm``: the rows' codes as 16-bit
-        pairs against the activations' 16-bit codes, pmaddwd, or AVX512-VNNI's vpdpwssd
-        where the CPU has it, exact sums per block scaled once per block), for the
-        K-quants in float32 (``radixkv_qgemm``: the activations as the kernel rounds them
-        times the weights dequantized into the panel). Both are batch-invariant (a fixed
-        order of steps per output, whatever the batch, the tile or the threads). The paths
-        compute the same quantity and differ by float32 rounding (which the next layer's
-        rounding of activations can enlarge): a caller that needs a token's result
-        independent of its batch picks the path by the token alone, as the model does
-        (its decode rows: the kernel; prefill and extend rows: the panels)."""
+        panels of sixteen rows that stay in cache, tiles of six tokens by the panel's rows
+        (``radixkv_qgemm``, which rounds the activations as the kernel does): for the
+        32-value types on integers (the rows' codes as 16-bit pairs against the
+        activations' 16-bit codes, pmaddwd, or AVX512-VNNI's vpdpwssd where the CPU has it,
+        exact sums per block scaled once per block), for the K-quants in float32 (the
+        rounded activations times the weights dequantized into the panel). Both are
+        batch-invariant (a fixed order of steps per output, whatever the batch, the tile or
+        the threads). The paths compute the same quantity and differ by float32 rounding
+        (which the next layer's rounding of activations can enlarge): a caller that needs
+        a token's result independent of its batch picks the path by the token alone, as
+        the model does (its decode rows: the kernel; prefill and extend rows: the panels)."""
         if x.dtype != torch.float32 or x.shape[-1] != self.cols:
             raise ValueError(f"input must be float32 [..., {self.cols}], got {x.dtype} {list(x.shape)}")
         threads = threads or torch.get_num_threads()
@@ -225,16 +222,9 @@ class PackedMatrix:
                                          y.data_ptr(), threads) != 0:  # fmt: skip
                 raise MemoryError("quantized matmul could not allocate its activation buffer")
             return y.view(*lead, rows)
-        if self.type_id in SPLIT_TYPES:
-            if self._lib.radixkv_igemm(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
-                                       y.data_ptr(), threads) != 0:  # fmt: skip
-                raise MemoryError("the integer product could not allocate its panels")
-            return y.view(*lead, rows)
-        xr = torch.empty_like(x2)
-        self._lib.radixkv_round_activations(x2.data_ptr(), n, self.cols, xr.data_ptr(), threads)
-        if self._lib.radixkv_qgemm(self.type_id, self.data.data_ptr(), rows, self.cols, xr.data_ptr(), n,
+        if self._lib.radixkv_qgemm(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
                                    y.data_ptr(), threads) != 0:  # fmt: skip
-            raise MemoryError("the dequantized product could not allocate its panels")
+            raise MemoryError("the dense product could not allocate its panels")
         return y.view(*lead, rows)
 
     def rows(self, ids: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
