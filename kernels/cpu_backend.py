@@ -1,10 +1,11 @@
-"""CPU attention backend: decode rows through a small C kernel, the rest through torch.
+"""CPU attention backend: decode rows, prefills and extends through C kernels, the rest through torch.
 
 Decode (one new token per sequence) is the step a serving engine repeats most, and on
 the CPU the reference backend spends it copying every sequence's pages into a padded
 batch before SDPA: per step that copy moves the whole context's K/V of every layer
 twice. ``cpu_decode.c`` reads K/V in place through the page table instead, one OpenMP
-task per sequence (or per range of a long context), accumulating in float32. It reads
+task per range of ~128 positions of a sequence's context (by its length alone, so a row
+is the same bits in any batch and on any thread count), accumulating in float32. It reads
 fp32 pages, int8 pages and int4 pages without dequantizing them: int8's log-scale byte
 per token and KV head (looked up in ``kv.format.log_scales()``), and int4's fp16 (scale,
 offset) per channel of a page (K) and per token (V), are folded into the dot products and
@@ -18,15 +19,15 @@ before its own page sealed and its own page in full precision, the earlier rows 
 sealer's staging area (``Sealer.staging``, read in place) and the new token from this
 forward's ``k``/``v``, as ``TorchBackend.attend_paged`` does.
 
-Extends (several new tokens after cached ones: a question after a shared prefix, a
-branch, a chunk of a long prompt) over float32 pages go to a second kernel,
-``radixkv_paged_extend``: one task per sequence and KV head, the new tokens' query heads
-against blocks of 16 positions gathered from the pages, online softmax, so each block's
-K/V serves all of them (one masked SDPA call per sequence and layer cost more: measured
-1.1-1.3x faster on the native SmolLM2 forward). It needs AVX2 + FMA, head sizes a multiple
-of 32 and no soft-capped logits. Prefills (nothing cached), the other extends and int8 or
-int4 extends keep the reference path (SDPA per sequence; ``attend_paged`` for int4); in a
-mixed batch each sequence goes its own way. Queries other than
+Prefills and extends (several new tokens, after cached ones or not: a prompt, a question
+after a shared prefix, a branch, a chunk of a long prompt) over float32 pages go to a
+second kernel, ``radixkv_paged_extend``: tasks of a sequence, a KV head and up to 96 of
+its query rows against blocks of 16 positions read in place from the pages, online
+softmax, so each block's K/V serves all of the task's rows (per-sequence SDPA cost more:
+1.8x on a 512-token prefill). It needs AVX2 + FMA, head sizes a multiple of 32 and no
+soft-capped logits. The others, and int8 or int4 prefills and extends, keep the reference
+path (SDPA per sequence; ``attend_paged`` for int4); in a mixed batch each sequence goes
+its own way. Queries other than
 float32, and caches other than fp32, int8 or int4 (bf16, fp16, fp8), run wholly on the
 reference path.
 
