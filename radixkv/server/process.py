@@ -8,6 +8,7 @@ and a Redis (or Valkey) server for the KV store's tests and benchmarks.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -15,14 +16,28 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+_BIND_RACE_RETRIES = 3
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing is bound to now and that this process never handed out
+    before: the kernel may give a port just closed to the next ``bind(0)``, so threads
+    starting servers side by side (``--replicas``) could otherwise get the same one."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
@@ -32,26 +47,35 @@ def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
     whose tail is in the error if the process exits first."""
     import httpx
 
-    port = free_port()
     log = open(log_path, "w+") if log_path else tempfile.NamedTemporaryFile(
         "w+", prefix=f"{name.replace(' ', '-')}-", suffix=".log", delete=False
     )  # fmt: skip
-    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})")
+    for attempt in itertools.count():
+        # Between free_port() and the child's bind another process may take the port (a
+        # client's ephemeral port, another test's server): then start again on a new one.
+        port = free_port()
+        log.seek(0)
+        log.truncate()
+        proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                output = log.read()
+                if "address already in use" in output.lower() and attempt < _BIND_RACE_RETRIES:
+                    break
+                raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{output[-3000:]}")
+            try:
+                if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            proc.kill()
+            raise RuntimeError(f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})")
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
