@@ -22,7 +22,8 @@
  *
  * Batch invariance: y[b, r] depends only on row r and token b, computed by one thread
  * in one fixed order whatever n, the tiling or the thread count: a token's outputs are
- * the same bits alone or in any batch (so prefill, extend and decode agree).
+ * the same bits alone or in any batch (so prefill, extend and decode agree), and for the
+ * 32-value types on either path (a row at a time, or the integer panels).
  *
  * Block layouts (ggml's; d, m: fp16; q: codes; a value is d * q + m unless said):
  *   Q4_0 [d, qs[16]]            q = nibble - 8; qs[j] low nibble: value j, high: j + 16
@@ -318,8 +319,18 @@ void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *o
  * Codes go to 16-bit lanes (pmovzx), and madd multiplies them with the activations' 16-bit
  * codes, summing pairs into 32-bit lanes; a block's integer sum is exact, turned to float
  * once and scaled by d * dx. Up to NT_MAX tokens share each unpacked block. A token's sums
- * take the same steps whatever nt, so its result does not depend on its neighbours. */
+ * take the same steps whatever nt, so its result does not depend on its neighbours.
+ *
+ * The 32-value types' float steps, here and on the integer panels below (the same order
+ * in both and in the portable loops, so every path gives a token the same bits): block i
+ * of a row updates lane i % 8 of eight sums, y = fma(m, s, fma(d dx, its integer sum, y)),
+ * blocks in order; the result is the lanes' sum as lanes8 adds them. */
 #define NT_MAX 4
+
+/* the sum of eight lanes v: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)) (hsum8's order) */
+static inline float lanes8(const float *v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
 
 #ifdef USE_AVX2
 /* the sum of v's eight lanes, in one fixed order */
@@ -413,10 +424,10 @@ static inline __attribute__((always_inline)) void dot_split(int type, const uint
     const float base = type == T_Q5_0 ? -16.0f : type == T_Q4_0 ? -8.0f : 0.0f;
 #ifdef USE_AVX2
     const uint8_t *qs = row + f.qs, *qh = row + f.qh;
-    __m256 acc[NT_MAX], corr[NT_MAX];
-    for (int t = 0; t < nt; t++) acc[t] = corr[t] = _mm256_setzero_ps();
+    __m256 acc[NT_MAX];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     int64_t i0 = 0;
-    for (; i0 + 8 <= nb; i0 += 8) {
+    for (; i0 + 8 <= nb; i0 += 8) {  /* eight blocks, one a lane */
         __m256i pair[NT_MAX][4];
         for (int p = 0; p < 4; p++) {  /* blocks i0 + 2p, i0 + 2p + 1 */
             __m256i a[2], b[2];
@@ -433,25 +444,44 @@ static inline __attribute__((always_inline)) void dot_split(int type, const uint
         for (int t = 0; t < nt; t++) {
             __m256 sums = _mm256_cvtepi32_ps(reduce8(pair[t][0], pair[t][1], pair[t][2], pair[t][3]));
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_loadu_ps(xs[t].d + i0)), sums, acc[t]);
-            if (type != T_Q8_0) corr[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[t].s + i0), corr[t]);
+            if (type != T_Q8_0) acc[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[t].s + i0), acc[t]);  /* Q8_0: m = 0 */
         }
     }
-    for (; i0 < nb; i0++) {  /* the last nb % 8 blocks one by one */
-        __m256i c[2];
-        split_codes(type, qs, qh, i0, c);
-        float d = half(row + 2 * i0), m = f.has_m ? half(row + f.m + 2 * i0) : base * d;
+    if (i0 < nb) {  /* the last nb % 8 blocks: a group whose missing lanes add zero */
+        const int r = (int)(nb - i0);
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i sum[NT_MAX];
+        for (int t = 0; t < nt; t++) sum[t] = _mm256_setzero_si256();
+        for (int j = 0; j < r; j++) {
+            __m256i c[2];
+            split_codes(type, qs, qh, i0 + j, c);
+            const __m256i lane = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j));
+            for (int t = 0; t < nt; t++) {  /* the block's exact sum, in lane j */
+                const __m256i v = block_isum(c[0], c[1], xs[t].q + 32 * (i0 + j));
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+                sum[t] = _mm256_or_si256(sum[t], _mm256_and_si256(_mm256_broadcastd_epi32(h), lane));
+            }
+        }
+        /* d and m of the present blocks (the 16-byte fp16 loads stay inside the row: other
+         * fields follow d and m), zero elsewhere, as the tokens' scales */
+        const __m256 kept = _mm256_castsi256_ps(keep);
+        const __m256 d = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i0))), kept);
+        const __m256 m = f.has_m ? _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + f.m + 2 * i0))), kept)
+                                 : _mm256_mul_ps(d, _mm256_set1_ps(base));
         for (int t = 0; t < nt; t++) {
-            __m256 sums = block_sum(c[0], c[1], xs[t].q + 32 * i0);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[t].d[i0]), sums, acc[t]);
-            if (type != T_Q8_0) corr[t] = _mm256_add_ps(corr[t], _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, m * xs[t].s[i0]));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_maskload_ps(xs[t].d + i0, keep)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
+            if (type != T_Q8_0) acc[t] = _mm256_fmadd_ps(m, _mm256_maskload_ps(xs[t].s + i0, keep), acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum8(_mm256_add_ps(acc[t], corr[t]));
+    for (int t = 0; t < nt; t++) out[t] = hsum8(acc[t]);  /* lanes8's order */
 #else
-    float sum[NT_MAX][2], corr[NT_MAX][2];
-    for (int t = 0; t < nt; t++) sum[t][0] = sum[t][1] = corr[t][0] = corr[t][1] = 0.0f;
+    float sum[NT_MAX][8];
+    for (int t = 0; t < nt; t++)
+        for (int k = 0; k < 8; k++) sum[t][k] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
-        const int k = (int)(i & 1);
+        const int k = (int)(i & 7);
         const float d = half(row + 2 * i), m = type == T_Q8_0 ? 0.0f : f.has_m ? half(row + f.m + 2 * i) : base * d;
         int16_t u[32];
         unpack_block(type, row, nb, i, u);
@@ -459,11 +489,10 @@ static inline __attribute__((always_inline)) void dot_split(int type, const uint
             const int16_t *q = xs[t].q + 32 * i;
             int isum = 0;
             for (int j = 0; j < 32; j++) isum += u[j] * q[j];
-            sum[t][k] = fmaf(d * xs[t].d[i], (float)isum, sum[t][k]);
-            corr[t][k] = fmaf(m, xs[t].s[i], corr[t][k]);
+            sum[t][k] = fmaf(m, xs[t].s[i], fmaf(d * xs[t].d[i], (float)isum, sum[t][k]));
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = (sum[t][0] + sum[t][1]) + (corr[t][0] + corr[t][1]);
+    for (int t = 0; t < nt; t++) out[t] = lanes8(sum[t]);
 #endif
 }
 
@@ -717,28 +746,42 @@ static void quantize_rows(const float *x, int64_t n, int64_t cols, const xbuf *x
     for (int64_t k = 0; k < blocks; k++) quantize_block(x + 32 * k, xb->q + 32 * k, xb->d + k, xb->s + k);
 }
 
+/* rows [r0, r1) of y[n, rows] = x . W^T through dot_row, from the rounded activations xb */
+static void kernel_rows(const qmat *m, int64_t n, float *y, const xbuf *xb, int64_t r0, int64_t r1) {
+    const int64_t nb = m->cols / 32, rb = row_bytes(m->type, m->cols), rows = m->rows;
+    for (int64_t t0 = 0; t0 < n; t0 += TOKEN_TILE) {
+        int64_t t1 = t0 + TOKEN_TILE < n ? t0 + TOKEN_TILE : n;
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t b = t0; b < t1; b += NT_MAX) {
+                int nt = t1 - b < NT_MAX ? (int)(t1 - b) : NT_MAX;
+                xrow xr[NT_MAX];
+                float out[NT_MAX];
+                for (int t = 0; t < nt; t++) xr[t] = (xrow){xb->q + (b + t) * nb * 32, xb->d + (b + t) * nb, xb->s + (b + t) * nb};
+                dot_row(m->type, m->w + r * rb, xr, nt, nb, out);
+                for (int t = 0; t < nt; t++) y[(b + t) * rows + r] = out[t];
+            }
+    }
+}
+
+static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
+
+/* From this many tokens on, products of the 32-value types take the integer panels (the
+ * same bits as dot_row: see split_panels); K-quants always take dot_row here. */
+#define PANELS_FROM 8
+
 /* y[n, rows] = x[n, cols] . W^T, called by every thread of a parallel region (its loops
  * are shared out among them; each ends with the region's barrier). */
 static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
-    const int64_t nb = m->cols / 32, rb = row_bytes(m->type, m->cols), rows = m->rows;
+    const int64_t rows = m->rows;
     quantize_rows(x, n, m->cols, xb);
+    if (is_split(m->type) && n >= PANELS_FROM) {
+        split_panels(m, n, y, xb);
+        return;
+    }
     int64_t chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < rows ? r0 + ROW_CHUNK : rows;
-        for (int64_t t0 = 0; t0 < n; t0 += TOKEN_TILE) {
-            int64_t t1 = t0 + TOKEN_TILE < n ? t0 + TOKEN_TILE : n;
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t b = t0; b < t1; b += NT_MAX) {
-                    int nt = t1 - b < NT_MAX ? (int)(t1 - b) : NT_MAX;
-                    xrow xr[NT_MAX];
-                    float out[NT_MAX];
-                    for (int t = 0; t < nt; t++) xr[t] = (xrow){xb->q + (b + t) * nb * 32, xb->d + (b + t) * nb, xb->s + (b + t) * nb};
-                    dot_row(m->type, m->w + r * rb, xr, nt, nb, out);
-                    for (int t = 0; t < nt; t++) y[(b + t) * rows + r] = out[t];
-                }
-        }
-    }
+    for (int64_t c = 0; c < chunks; c++)
+        kernel_rows(m, n, y, xb, c * ROW_CHUNK, c * ROW_CHUNK + ROW_CHUNK < rows ? c * ROW_CHUNK + ROW_CHUNK : rows);
 }
 
 static int last_threads;
@@ -937,10 +980,10 @@ static void qg_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
  * broadcast: pmaddwd and an add, 16 multiply-adds for two instructions, or AVX512-VNNI's
  * vpdpwssd, 16 in one, where a float32 fused multiply-add does 8 (measured on two Zen 4
  * cores: 1.6x the float32 panels with VNNI, 1.2x with the AVX2 pair). A block's sums are exact
- * in int32; then per block and output y = fma(float(sum), d dx, y), y = fma(m, s, y) (s =
- * dx * the sum of the token's codes), blocks in order from zero, whatever n, the tile or
- * the threads, and the portable loop takes the same steps: a token's result is the same
- * bits alone, in any batch, with or without VNNI. */
+ * in int32; then the float steps of dot_split (y = fma(m, s, fma(d dx, float(sum), y)), s =
+ * dx * the sum of the token's codes, in the block's lane of eight, then lanes8), whatever
+ * n, the tile or the threads, and the portable loop takes the same steps: a token's result
+ * is the same bits alone, in any batch, with or without VNNI, and on either path. */
 #ifdef USE_AVX2
 /* acc + the pairwise products of w and x summed in 32-bit lanes (one instruction with AVX512-VNNI) */
 INLINE __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
@@ -991,86 +1034,144 @@ static void ig_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
 }
 
 /* out[t][0..TILE_NR) = the panel's rows times token t's codes (xq + t cols, scales xd + t nb
- * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. */
-INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
-                      const float *xd, const float *xs, const int mr, float *out) {
+ * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. The float steps
+ * are dot_split's (block i into lane i % 8, then lanes8), the lanes in scratch ([mr][8]
+ * [TILE_NR] floats, 32-byte aligned). */
+#define LANE_FLOATS (8 * TILE_NR)  /* a token's lanes */
+
 #ifdef USE_AVX2
-    for (int t = 0; t < mr; t++) _mm256_store_ps(out + t * TILE_NR, _mm256_setzero_ps()),
-                                 _mm256_store_ps(out + t * TILE_NR + 8, _mm256_setzero_ps());
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i a[TILE_MR][2];  /* 12 int32 accumulators, two vectors of codes, a broadcast */
-        for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_si256();
-        const int16_t *c = codes + i * 32 * TILE_NR;  /* 16 pairs of the block's columns x TILE_NR rows */
+/* block i of the tile into its lane; first: the lane's first block (the lane starts from zero) */
+INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
+                    const float *xd, const float *xs, const int mr, float *lanes, int64_t i, const int first) {
+    __m256i a[TILE_MR][2];  /* 12 int32 accumulators, two vectors of codes, a broadcast */
+    for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_si256();
+    const int16_t *c = codes + i * 32 * TILE_NR;  /* 16 pairs of the block's columns x TILE_NR rows */
 #pragma GCC unroll 16
-        for (int k = 0; k < 16; k++) {
-            const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 2 * TILE_NR * k));
-            const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 2 * TILE_NR * k + 16));
-            for (int t = 0; t < mr; t++) {
-                int32_t pair;
-                memcpy(&pair, xq + t * cols + 32 * i + 2 * k, sizeof pair);
-                const __m256i xb = _mm256_set1_epi32(pair);
-                a[t][0] = madd_acc(a[t][0], w0, xb);
-                a[t][1] = madd_acc(a[t][1], w1, xb);
-            }
-        }
-        const float *f = dm + i * 2 * TILE_NR;
-        const __m256 d0 = _mm256_load_ps(f), d1 = _mm256_load_ps(f + 8), m0 = _mm256_load_ps(f + 16),
-                     m1 = _mm256_load_ps(f + 24);
+    for (int k = 0; k < 16; k++) {
+        const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 2 * TILE_NR * k));
+        const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 2 * TILE_NR * k + 16));
         for (int t = 0; t < mr; t++) {
-            const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
-            float *o = out + t * TILE_NR;
-            __m256 y0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][0]), _mm256_mul_ps(d0, dx), _mm256_load_ps(o));
-            __m256 y1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][1]), _mm256_mul_ps(d1, dx), _mm256_load_ps(o + 8));
-            _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, y0));
-            _mm256_store_ps(o + 8, _mm256_fmadd_ps(m1, sx, y1));
+            int32_t pair;
+            memcpy(&pair, xq + t * cols + 32 * i + 2 * k, sizeof pair);
+            const __m256i xb = _mm256_set1_epi32(pair);
+            a[t][0] = madd_acc(a[t][0], w0, xb);
+            a[t][1] = madd_acc(a[t][1], w1, xb);
         }
     }
+    const float *f = dm + i * 2 * TILE_NR;
+    const __m256 d0 = _mm256_load_ps(f), d1 = _mm256_load_ps(f + 8), m0 = _mm256_load_ps(f + 16),
+                 m1 = _mm256_load_ps(f + 24);
+    for (int t = 0; t < mr; t++) {
+        const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
+        float *o = lanes + t * LANE_FLOATS + (i & 7) * TILE_NR;
+        const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_load_ps(o), y1 = first ? _mm256_setzero_ps() : _mm256_load_ps(o + 8);
+        _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][0]), _mm256_mul_ps(d0, dx), y0)));
+        _mm256_store_ps(o + 8, _mm256_fmadd_ps(m1, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][1]), _mm256_mul_ps(d1, dx), y1)));
+    }
+}
+#endif
+
+INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
+                      const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+#ifdef USE_AVX2
+    int64_t i = 0;
+    for (; i < nb && i < 8; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 1);
+    for (; i < nb; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 0);
+    for (int t = 0; t < mr; t++)
+        for (int h = 0; h < TILE_NR; h += 8) {  /* lanes8 for eight rows at once (lanes never touched: zero) */
+            const float *l = lanes + t * LANE_FLOATS + h;
+            __m256 v[8];
+            for (int k = 0; k < 8; k++) v[k] = k < nb ? _mm256_load_ps(l + k * TILE_NR) : _mm256_setzero_ps();
+            const __m256 s0 = _mm256_add_ps(v[0], v[4]), s1 = _mm256_add_ps(v[1], v[5]), s2 = _mm256_add_ps(v[2], v[6]),
+                         s3 = _mm256_add_ps(v[3], v[7]);
+            _mm256_store_ps(out + t * TILE_NR + h, _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3)));
+        }
 #else
+    (void)lanes;
     for (int t = 0; t < mr; t++)
         for (int r = 0; r < TILE_NR; r++) {
-            float y = 0.0f;
+            float y[8] = {0};
             for (int64_t i = 0; i < nb; i++) {
                 int32_t sum = 0;
                 for (int j = 0; j < 32; j++)
                     sum += (int32_t)codes[(i * 16 + j / 2) * 2 * TILE_NR + 2 * r + j % 2] * xq[t * cols + 32 * i + j];
                 const float *f = dm + i * 2 * TILE_NR;
-                y = fmaf((float)sum, f[r] * xd[t * nb + i], y);
-                y = fmaf(f[TILE_NR + r], xs[t * nb + i], y);
+                y[i & 7] = fmaf(f[TILE_NR + r], xs[t * nb + i], fmaf((float)sum, f[r] * xd[t * nb + i], y[i & 7]));
             }
-            out[t * TILE_NR + r] = y;
+            out[t * TILE_NR + r] = lanes8(y);
         }
 #endif
 }
 
 INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
-                   const float *xd, const float *xs, int mr, float *out) {
+                   const float *xd, const float *xs, int mr, float *lanes, float *out) {
     switch (mr) {  /* a constant mr in each call: the loops unroll, the accumulators stay in registers */
-    case 1: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 1, out); break;
-    case 2: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 2, out); break;
-    case 3: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 3, out); break;
-    case 4: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 4, out); break;
-    case 5: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 5, out); break;
-    default: igtile_mr(codes, dm, nb, cols, xq, xd, xs, TILE_MR, out); break;
+    case 1: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 1, lanes, out); break;
+    case 2: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 2, lanes, out); break;
+    case 3: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 3, lanes, out); break;
+    case 4: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 4, lanes, out); break;
+    case 5: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 5, lanes, out); break;
+    default: igtile_mr(codes, dm, nb, cols, xq, xd, xs, TILE_MR, lanes, out); break;
     }
+}
+
+/* y[n, rows] = W^T times the rounded activations xb for a 32-value type on integer panels,
+ * called by every thread of a parallel region: each thread takes a contiguous range of
+ * panels (ends with a barrier). The bits are dot_row's, so a thread that cannot have its
+ * scratch computes its rows through dot_row instead. */
+static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
+    const int64_t cols = m->cols, nb = cols / 32, rb = row_bytes(m->type, cols), rows = m->rows;
+    const int64_t panels = (rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t p0 = panels * me / nth, p1 = panels * (me + 1) / nth;
+    int16_t *tmp = aligned_alloc(32, sizeof(int16_t) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */
+    int16_t *codes = aligned_alloc(32, sizeof(int16_t) * TILE_NR * (size_t)cols);
+    float *dm = aligned_alloc(32, sizeof(float) * 2 * TILE_NR * (size_t)nb), *dtmp = malloc(sizeof(float) * 2 * (size_t)nb);
+    float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
+    float *lanes = aligned_alloc(32, sizeof(float) * LANE_FLOATS * TILE_MR);
+    if (!tmp || !codes || !dm || !dtmp || !out || !lanes) {
+        kernel_rows(m, n, y, xb, p0 * TILE_NR, p1 * TILE_NR < rows ? p1 * TILE_NR : rows);
+    } else {
+        for (int64_t c = p0; c < p1; c++) {
+            const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
+            ig_panel(m->type, m->w, rb, r0, nr, cols, tmp, dtmp, codes, dm);
+            for (int64_t t = 0; t < n; t += TILE_MR) {
+                const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
+                igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
+                for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+            }
+        }
+    }
+    free(tmp), free(codes), free(dm), free(dtmp), free(out), free(lanes);
+#pragma omp barrier
 }
 
 /* ---- the dense products ----
  *
  * y[n, rows] = x[n, cols] . W^T for many tokens (prefill and extend rows), W in the kernels'
  * layout, x float32, rounded here as radixkv_qmatmul rounds it: the 32-value types on the
- * integer panels, the K-quants on the float32 panels (of the rounded activations). Returns
- * 0; -1 for an unknown type or a row length its blocks do not divide; -2 when a buffer
- * cannot be allocated. Threads take contiguous ranges of panels. */
+ * integer panels (split_panels: radixkv_qmatmul's bits), the K-quants on float32 panels of
+ * the rounded activations (threads take contiguous ranges of panels). Returns 0; -1 for an
+ * unknown type or a row length its blocks do not divide; -2 when a buffer cannot be
+ * allocated. */
 int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                   int threads) {
     const int64_t rb = row_bytes(type, cols);
     if (rb < 0) return -1;
-    const int split = is_split(type);
+    const qmat m = {type, rows, cols, w};
     const int64_t nb = cols / 32, panels = (rows + TILE_NR - 1) / TILE_NR;
     xbuf xb;
     if (xbuf_alloc(&xb, n, nb)) return -2;
-    float *xr = split ? NULL : malloc(sizeof(float) * (size_t)(n * cols)); /* the float panels' activations */
-    if (!split && xr == NULL) {
+    if (is_split(type)) {
+#pragma omp parallel num_threads(threads)
+        {
+            quantize_rows(x, n, cols, &xb);
+            split_panels(&m, n, y, &xb);
+        }
+        xbuf_free(&xb);
+        return 0;
+    }
+    float *xr = malloc(sizeof(float) * (size_t)(n * cols)); /* the float panels' activations */
+    if (xr == NULL) {
         xbuf_free(&xb);
         return -2;
     }
@@ -1078,35 +1179,27 @@ int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
 #pragma omp parallel num_threads(threads)
     {
         quantize_rows(x, n, cols, &xb);
-        if (!split) {
 #pragma omp for schedule(static)
-            for (int64_t k = 0; k < n * cols; k++) xr[k] = xb.d[k / 32] * (float)xb.q[k];
-        }
-        /* a panel: float32 [cols][TILE_NR], or the integer one's 16-bit codes in its first half
-         * and each block's d and m of its rows beside (dm, through dtmp) */
+        for (int64_t k = 0; k < n * cols; k++) xr[k] = xb.d[k / 32] * (float)xb.q[k];
         float *tmp = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */
         float *panel = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);
-        float *dm = split ? aligned_alloc(32, sizeof(float) * 2 * TILE_NR * (size_t)nb) : NULL;
-        float *dtmp = split ? malloc(sizeof(float) * 2 * (size_t)nb) : NULL;
         float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
-        if (!tmp || !panel || !out || (split && (!dm || !dtmp))) {
+        if (!tmp || !panel || !out) {
 #pragma omp atomic write
             err = -2;
         } else {
             const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
             for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) {
                 const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
-                if (split) ig_panel(type, w, rb, r0, nr, cols, (int16_t *)tmp, dtmp, (int16_t *)panel, dm);
-                else qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
+                qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
                 for (int64_t t = 0; t < n; t += TILE_MR) {
                     const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-                    if (split) igtile((const int16_t *)panel, dm, nb, cols, xb.q + t * cols, xb.d + t * nb, xb.s + t * nb, mr, out);
-                    else tile(panel, cols, xr + t * cols, mr, out);
+                    tile(panel, cols, xr + t * cols, mr, out);
                     for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
                 }
             }
         }
-        free(tmp), free(panel), free(dm), free(dtmp), free(out);
+        free(tmp), free(panel), free(out);
     }
     free(xr);
     xbuf_free(&xb);

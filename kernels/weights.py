@@ -205,7 +205,9 @@ class PackedMatrix:
         exact sums per block scaled once per block), for the K-quants in float32 (the
         rounded activations times the weights dequantized into the panel). Both are
         batch-invariant (a fixed order of steps per output, whatever the batch, the tile or
-        the threads). The paths compute the same quantity and differ by float32 rounding
+        the threads). For the 32-value types the panels take the kernel's float steps in
+        its order, so both paths give the same bits (and the kernel's call itself moves to
+        the panels from 8 tokens on). For the K-quants they differ by float32 rounding
         (which the next layer's rounding of activations can enlarge): a caller that needs
         a token's result independent of its batch picks the path by the token alone, as
         the model does (its decode rows: the kernel; prefill and extend rows: the panels)."""

@@ -153,20 +153,27 @@ def test_the_thread_count_is_honoured():
         assert m._lib.radixkv_qmatmul_last_threads() == threads
 
 
-def test_the_prefill_path_computes_the_same_product():
+@pytest.mark.parametrize("cols", [512, 352])  # whole groups of eight blocks, and 11 blocks (a group of three)
+def test_the_prefill_path_computes_the_same_product(cols):
     """From DENSE_FROM tokens on, panels of 16 rows and tiles of 6 tokens: integer codes for
-    the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), rounded activations times dequantized
-    weights in float32 for the K-quants (Q6_K). Float32 rounding away from the kernel's
-    result and from a float64 product of the same operands, and batch-invariant: every
-    token's row the same bits alone, in a partial tile and in any batch (300 rows: a
+    the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), the kernel's float steps in the
+    kernel's order, so the kernel's bits; rounded activations times dequantized weights in
+    float32 for the K-quants (Q6_K), float32 rounding away from the kernel's result. Both
+    within float32 rounding of a float64 product of the same operands, and batch-invariant:
+    every token's row the same bits alone, in a partial tile and in any batch (300 rows: a
     partial panel; 1 and 2 threads), and the portable build's the same bits."""
-    cols = 512
-    for type_id in (2, 3, 6, 7, 8, 14):  # the 32-value types through the integer panels, Q6_K through float32
+    k_quants = (14,) if cols % 256 == 0 else ()  # Q6_K's blocks hold 256 values
+    for type_id in (2, 3, 6, 7, 8, *k_quants):  # the 32-value types through the integer panels, Q6_K through float32
         m = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 300, cols)), cols)
         x = torch.randn(weights.DENSE_FROM + 5, cols)
         kernel = torch.cat([m.linear(x[i : i + 1]) for i in range(len(x))])
         dense = m.linear(x)
-        assert ((dense - kernel).norm() / kernel.norm()) < 2e-6
+        if TYPES[type_id][1] == 32:
+            assert torch.equal(dense, kernel)  # either path, the same bits: decode rows may take the panels
+            assert torch.equal(m.linear(x[:9], dense=False), kernel[:9])  # the kernel's call on panels (9 >= 8 rows)
+            assert torch.equal(m.linear(x[:5], dense=False), kernel[:5])  # and on its own loop
+        else:
+            assert ((dense - kernel).norm() / kernel.norm()) < 2e-6
         rounded = torch.empty_like(x)
         m._lib.radixkv_round_activations(x.data_ptr(), len(x), cols, rounded.data_ptr(), 1)
         exact = rounded.double() @ m.rows().double().t()
@@ -175,9 +182,11 @@ def test_the_prefill_path_computes_the_same_product():
             assert torch.equal(m.linear(x[i : i + 1], dense=True)[0], dense[i])
         assert torch.equal(m.linear(x[3:11], dense=True, threads=1), dense[3:11])
         assert torch.equal(m.linear(x[:4], dense=True, threads=2), dense[:4])
-        # the portable loop takes the same steps (fmaf: one rounding, as the AVX2 lanes)
+        # the portable loops take the same steps (fmaf: one rounding, as the AVX2 lanes)
         portable = PackedMatrix(type_id, m.blocks(), cols, portable=True)
         assert torch.equal(portable.linear(x, dense=True), dense)
+        if TYPES[type_id][1] == 32:
+            assert torch.equal(portable.linear(x[:3], dense=False), kernel[:3])
 
 
 def test_bad_input_is_refused_with_its_limits():
