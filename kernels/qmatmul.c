@@ -414,6 +414,43 @@ static void unpack_block(int type, const uint8_t *row, int64_t nb, int64_t i, in
 }
 #endif
 
+#ifdef USE_AVX2
+/* Blocks i0 .. i0 + r (r <= 8, a constant 8 for whole groups: the masks fold away) of a
+ * split row into lane i0 + j's of acc[t], one lane a block: acc = fma(m, s, fma(d dx,
+ * isum, acc)). Missing blocks' lanes add zero (their d, m and the tokens' scales zero; the
+ * 16-byte fp16 loads stay inside the row: other fields follow d and m). */
+static inline __attribute__((always_inline)) void split_group(int type, const uint8_t *row, const split_fields f,
+                                                              float base, const xrow *xs, const int nt, int64_t i0,
+                                                              const int r, __m256 *acc) {
+    const uint8_t *qs = row + f.qs, *qh = row + f.qh;
+    __m256i pair[NT_MAX][4];
+    for (int p = 0; p < 4; p++) {  /* blocks i0 + 2p, i0 + 2p + 1 */
+        __m256i a[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, b[2] = {a[0], a[1]};
+        if (2 * p < r) split_codes(type, qs, qh, i0 + 2 * p, a);
+        if (2 * p + 1 < r) split_codes(type, qs, qh, i0 + 2 * p + 1, b);
+        for (int t = 0; t < nt; t++) {
+            const int16_t *q = xs[t].q + 32 * (i0 + 2 * p);
+            pair[t][p] = _mm256_hadd_epi32(2 * p < r ? block_isum(a[0], a[1], q) : _mm256_setzero_si256(),
+                                           2 * p + 1 < r ? block_isum(b[0], b[1], q + 32) : _mm256_setzero_si256());
+        }
+    }
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i0)));
+    __m256 m = f.has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + f.m + 2 * i0)))
+                       : _mm256_mul_ps(d, _mm256_set1_ps(base));
+    if (r < 8) d = _mm256_and_ps(d, _mm256_castsi256_ps(keep)), m = _mm256_and_ps(m, _mm256_castsi256_ps(keep));
+    for (int t = 0; t < nt; t++) {
+        const __m256 sums = _mm256_cvtepi32_ps(reduce8(pair[t][0], pair[t][1], pair[t][2], pair[t][3]));
+        const __m256 dx = r < 8 ? _mm256_maskload_ps(xs[t].d + i0, keep) : _mm256_loadu_ps(xs[t].d + i0);
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), sums, acc[t]);
+        if (type != T_Q8_0) {  /* Q8_0: m = 0 */
+            const __m256 sx = r < 8 ? _mm256_maskload_ps(xs[t].s + i0, keep) : _mm256_loadu_ps(xs[t].s + i0);
+            acc[t] = _mm256_fmadd_ps(m, sx, acc[t]);
+        }
+    }
+}
+#endif
+
 /* The 32-value types, split rows: codes u stand for d u + m (Q4_0: m = -8 d, Q5_0: m = -16 d;
  * Q8_0's codes are signed, m = 0), so sum_j (d u_j + m) dx q_j = d dx sum(u q) + m s. AVX2 takes
  * eight blocks at a time: their integer sums reduced into one vector, scaled by the eight
@@ -423,58 +460,11 @@ static inline __attribute__((always_inline)) void dot_split(int type, const uint
     const split_fields f = fields_of(type, nb);
     const float base = type == T_Q5_0 ? -16.0f : type == T_Q4_0 ? -8.0f : 0.0f;
 #ifdef USE_AVX2
-    const uint8_t *qs = row + f.qs, *qh = row + f.qh;
     __m256 acc[NT_MAX];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     int64_t i0 = 0;
-    for (; i0 + 8 <= nb; i0 += 8) {  /* eight blocks, one a lane */
-        __m256i pair[NT_MAX][4];
-        for (int p = 0; p < 4; p++) {  /* blocks i0 + 2p, i0 + 2p + 1 */
-            __m256i a[2], b[2];
-            split_codes(type, qs, qh, i0 + 2 * p, a);
-            split_codes(type, qs, qh, i0 + 2 * p + 1, b);
-            for (int t = 0; t < nt; t++) {
-                const int16_t *q = xs[t].q + 32 * (i0 + 2 * p);
-                pair[t][p] = _mm256_hadd_epi32(block_isum(a[0], a[1], q), block_isum(b[0], b[1], q + 32));
-            }
-        }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i0)));
-        __m256 m = f.has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + f.m + 2 * i0)))
-                           : _mm256_mul_ps(d, _mm256_set1_ps(base));
-        for (int t = 0; t < nt; t++) {
-            __m256 sums = _mm256_cvtepi32_ps(reduce8(pair[t][0], pair[t][1], pair[t][2], pair[t][3]));
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_loadu_ps(xs[t].d + i0)), sums, acc[t]);
-            if (type != T_Q8_0) acc[t] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[t].s + i0), acc[t]);  /* Q8_0: m = 0 */
-        }
-    }
-    if (i0 < nb) {  /* the last nb % 8 blocks: a group whose missing lanes add zero */
-        const int r = (int)(nb - i0);
-        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256i sum[NT_MAX];
-        for (int t = 0; t < nt; t++) sum[t] = _mm256_setzero_si256();
-        for (int j = 0; j < r; j++) {
-            __m256i c[2];
-            split_codes(type, qs, qh, i0 + j, c);
-            const __m256i lane = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j));
-            for (int t = 0; t < nt; t++) {  /* the block's exact sum, in lane j */
-                const __m256i v = block_isum(c[0], c[1], xs[t].q + 32 * (i0 + j));
-                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-                sum[t] = _mm256_or_si256(sum[t], _mm256_and_si256(_mm256_broadcastd_epi32(h), lane));
-            }
-        }
-        /* d and m of the present blocks (the 16-byte fp16 loads stay inside the row: other
-         * fields follow d and m), zero elsewhere, as the tokens' scales */
-        const __m256 kept = _mm256_castsi256_ps(keep);
-        const __m256 d = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i0))), kept);
-        const __m256 m = f.has_m ? _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + f.m + 2 * i0))), kept)
-                                 : _mm256_mul_ps(d, _mm256_set1_ps(base));
-        for (int t = 0; t < nt; t++) {
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_maskload_ps(xs[t].d + i0, keep)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
-            if (type != T_Q8_0) acc[t] = _mm256_fmadd_ps(m, _mm256_maskload_ps(xs[t].s + i0, keep), acc[t]);
-        }
-    }
+    for (; i0 + 8 <= nb; i0 += 8) split_group(type, row, f, base, xs, nt, i0, 8, acc);
+    if (i0 < nb) split_group(type, row, f, base, xs, nt, i0, (int)(nb - i0), acc);  /* the last nb % 8 blocks */
     for (int t = 0; t < nt; t++) out[t] = hsum8(acc[t]);  /* lanes8's order */
 #else
     float sum[NT_MAX][8];
@@ -870,7 +860,7 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
  * y[n, rows] = x[n, cols] . W^T in float32, W dequantized TILE_NR rows at a time into a
  * panel [cols][TILE_NR] that stays in cache; never the whole matrix (a BLAS product over a
  * dequantized copy streams 4 bytes a weight out to memory and back, which dominates at a
- * few dozen tokens). Tiles of TILE_MR tokens by the panel's TILE_NR rows (vexp.h's tile):
+ * few dozen tokens). Tiles of TILE_MR tokens by the panel's TILE_NR rows (tile, below):
  * y[t, r] is one chain of fused multiply-adds over the columns in order, from zero,
  * whatever n, the tile or the thread count (and the portable loop takes the same steps):
  * a token's result does not depend on its batch. The K-quants take this path
@@ -1033,11 +1023,7 @@ static void ig_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
     transpose_panel((const float *)tmp, cols / 2, (float *)codes);
 }
 
-/* out[t][0..TILE_NR) = the panel's rows times token t's codes (xq + t cols, scales xd + t nb
- * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. The float steps
- * are dot_split's (block i into lane i % 8, then lanes8), the lanes in scratch ([mr][8]
- * [TILE_NR] floats, 32-byte aligned). */
-#define LANE_FLOATS (8 * TILE_NR)  /* a token's lanes */
+#define LANE_FLOATS (8 * TILE_NR)  /* a token's lanes in igtile's scratch */
 
 #ifdef USE_AVX2
 /* block i of the tile into its lane; first: the lane's first block (the lane starts from zero) */
@@ -1071,6 +1057,10 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
 }
 #endif
 
+/* out[t][0..TILE_NR) = the panel's rows times token t's codes (xq + t cols, scales xd + t nb
+ * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. The float steps
+ * are dot_split's (block i into lane i % 8, then lanes8), the lanes in scratch ([mr][8]
+ * [TILE_NR] floats, 32-byte aligned). */
 INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
                       const float *xd, const float *xs, const int mr, float *lanes, float *out) {
 #ifdef USE_AVX2
