@@ -3,6 +3,7 @@ server that loses the race for its port started again on another."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 import textwrap
@@ -52,7 +53,7 @@ def test_launch_starts_again_on_another_port_when_its_port_was_taken(tmp_path, m
             assert not url.endswith(f":{busy}")
             assert httpx.get(url + "/").text == "ok"
         finally:
-            assert process.stop(proc, timeout=5) is not None
+            assert process.stop(proc, timeout=5) == -signal.SIGTERM  # it stopped when told
     finally:
         taken.close()
 

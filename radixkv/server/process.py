@@ -44,38 +44,44 @@ def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
            log_path: str | Path | None = None) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """Run ``cmd --host 127.0.0.1 --port P``; return (process, base URL) once GET
     ``ready_path`` answers 200. Output goes to ``log_path`` (default: a temporary file),
-    whose tail is in the error if the process exits first."""
-    import httpx
-
+    whose tail is in the error if the process exits first. Between free_port() and the
+    child's bind another process may take the port (a client's ephemeral port, another
+    test's server): a child that exits saying so is started again on a new one."""
     log = open(log_path, "w+") if log_path else tempfile.NamedTemporaryFile(
         "w+", prefix=f"{name.replace(' ', '-')}-", suffix=".log", delete=False
     )  # fmt: skip
     for attempt in itertools.count():
-        # Between free_port() and the child's bind another process may take the port (a
-        # client's ephemeral port, another test's server): then start again on a new one.
         port = free_port()
         log.seek(0)
         log.truncate()
         proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log.seek(0)
-                output = log.read()
-                if "address already in use" in output.lower() and attempt < _BIND_RACE_RETRIES:
-                    break
-                raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{output[-3000:]}")
-            try:
-                if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
+        if _ready(proc, url + ready_path, timeout):
+            return proc, url
+        if proc.poll() is None:  # still starting after the timeout
             proc.kill()
             raise RuntimeError(f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})")
+        log.seek(0)
+        output = log.read()
+        if "address already in use" not in output.lower() or attempt == _BIND_RACE_RETRIES:
+            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{output[-3000:]}")
+
+
+def _ready(proc: subprocess.Popen, url: str, timeout: float) -> bool:
+    """Whether GET ``url`` answered 200 within ``timeout`` seconds; False as soon as
+    ``proc`` exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
