@@ -6,7 +6,9 @@ batch before SDPA: per step that copy moves the whole context's K/V of every lay
 twice. ``cpu_decode.c`` reads K/V in place through the page table instead, one OpenMP
 task per range of ~128 positions of a sequence's context (by its length alone, so a row
 is the same bits in any batch and on any thread count), accumulating in float32. It reads
-fp32 pages, int8 pages and int4 pages without dequantizing them: int8's log-scale byte
+fp32 pages, bf16 pages (each row widened to float32 as it is read: exact, so the sums are
+fp32's over the values the cache holds, at half the bytes), int8 pages and int4 pages
+without dequantizing them: int8's log-scale byte
 per token and KV head (looked up in ``kv.format.log_scales()``), and int4's fp16 (scale,
 offset) per channel of a page (K) and per token (V), are folded into the dot products and
 the weighted sums, so a decode step moves about a quarter (int8) or a sixth (int4, pages
@@ -20,16 +22,16 @@ sealer's staging area (``Sealer.staging``, read in place) and the new token from
 forward's ``k``/``v``, as ``TorchBackend.attend_paged`` does.
 
 Prefills and extends (several new tokens, after cached ones or not: a prompt, a question
-after a shared prefix, a branch, a chunk of a long prompt) over float32 pages go to a
-second kernel, ``radixkv_paged_extend``: tasks of a sequence, a KV head and up to 96 of
+after a shared prefix, a branch, a chunk of a long prompt) over float32 or bf16 pages go
+to a second kernel, ``radixkv_paged_extend``: tasks of a sequence, a KV head and up to 96 of
 its query rows against blocks of 16 positions read in place from the pages, online
 softmax, so each block's K/V serves all of the task's rows (per-sequence SDPA cost more:
-1.8x on a 512-token prefill). It needs AVX2 + FMA, head sizes a multiple of 32 and no
-soft-capped logits. The others, and int8 or int4 prefills and extends, keep the reference
-path (SDPA per sequence; ``attend_paged`` for int4); in a mixed batch each sequence goes
-its own way. Queries other than
-float32, and caches other than fp32, int8 or int4 (bf16, fp16, fp8), run wholly on the
-reference path.
+1.8x on a 512-token prefill; bf16 blocks are widened once per task and block). It needs
+AVX2 + FMA, head sizes a multiple of 32 and no soft-capped logits. The others, and int8
+or int4 prefills and extends, keep the reference path (SDPA per sequence;
+``attend_paged`` for int4); in a mixed batch each sequence goes its own way. Queries
+other than float32, and caches other than fp32, bf16, int8 or int4 (fp16, fp8), run
+wholly on the reference path.
 
 Attention mass (``batch.observe``, see ``AttentionBackend``): the kernel adds its
 observed decode rows' probabilities into ``mass`` in place (from the exponentials its
@@ -63,7 +65,7 @@ _library: ctypes.CDLL | None = None
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _ARGTYPES = [_ptr] * 19 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
-_KV_FP32, _KV_INT8, _KV_INT4 = 0, 1, 2  # cpu_decode.c's kv_format codes
+_KV_FP32, _KV_INT8, _KV_INT4, _KV_BF16 = 0, 1, 2, 3  # cpu_decode.c's kv_format codes
 
 
 def load_library() -> ctypes.CDLL:
@@ -82,7 +84,7 @@ def _build_and_load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build.build("cpu_decode", SOURCE, FLAGS, depends_on=(build.cpu_id(),), libs=("-lm",))))
     lib.radixkv_paged_decode.argtypes = _ARGTYPES
     lib.radixkv_paged_decode.restype = ctypes.c_int
-    lib.radixkv_paged_extend.argtypes = [_ptr] * 9 + [_i64] * 5 + [ctypes.c_float, _i64]
+    lib.radixkv_paged_extend.argtypes = [_ptr] * 9 + [_i64] * 5 + [ctypes.c_float, _i64, _i64]
     lib.radixkv_paged_extend.restype = ctypes.c_int
     return lib
 
@@ -94,7 +96,7 @@ class CpuBackend(TorchBackend):
         self._lib = load_library()
         self._kernel_address = ctypes.cast(self._lib.radixkv_paged_decode, ctypes.c_void_p).value  # decode_kernel's
         # the extend kernel needs AVX2 + FMA (it answers -1 without them, 0 for an empty batch)
-        self._extend_kernel = self._lib.radixkv_paged_extend(*[None] * 9, 0, 1, 1, 32, 1, 1.0, 0) == 0
+        self._extend_kernel = self._lib.radixkv_paged_extend(*[None] * 9, 0, 1, 1, 32, 1, 1.0, 0, _KV_FP32) == 0
 
     def plan(self, batch) -> None:
         super().plan(batch)
@@ -121,30 +123,31 @@ class CpuBackend(TorchBackend):
             self._ext_kv = batch.kv_indptr.cpu().to(torch.int32)[idx].contiguous()
             self._ext_len = torch.tensor([batch.seq_lens[i] for i in ext], dtype=torch.int32)
 
-    def decode_kernel(self, kv) -> tuple[int, int, int, int, int] | None:
+    def decode_kernel(self, kv) -> tuple[int, int, int, int, int, int] | None:
         """For a model that runs a whole decode step in C (``radixkv_native_decode``): the
         address of the kernel function and of this plan's row, page-start, page and length
-        arrays (alive until the next plan), when every sequence decodes, nothing is
-        observed and ``kv`` (a layer's view; every layer's is alike) holds float32 pages
-        the kernel reads; else None."""
+        arrays (alive until the next plan), and the kernel's code for the pages' format,
+        when every sequence decodes, nothing is observed and ``kv`` (a layer's view; every
+        layer's is alike) holds float32 or bfloat16 pages the kernel reads; else None."""
         if len(self.decode_rows) < len(self.qo_lens) or self.mass:
             return None
-        if kv.k_params is not None or kv.sealer is not None or _kernel_format(kv.k, kv) != _KV_FP32:
+        kv_format = _pages_format(kv)
+        if kv.k_params is not None or kv.sealer is not None or kv_format not in (_KV_FP32, _KV_BF16):
             return None
         return (self._kernel_address, self._q_rows.data_ptr(), self._kv_starts.data_ptr(), self._kv_indices.data_ptr(),
-                self._decode_lens.data_ptr())  # fmt: skip
+                self._decode_lens.data_ptr(), kv_format)  # fmt: skip
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         k_cache, v_cache = kv.k, kv.v
         kv_format = _kernel_format(q, kv) if self.decode_rows or self.extends else None
-        extends = (self.extends if kv_format == _KV_FP32 and logit_softcap is None and q.shape[2] % 32 == 0
+        extends = (self.extends if kv_format in (_KV_FP32, _KV_BF16) and logit_softcap is None and q.shape[2] % 32 == 0
                    and q.shape[1] % k_cache.shape[2] == 0 else frozenset())  # fmt: skip
         if kv_format is None or not (self.decode_rows or extends):
             return super().forward(q, k, v, kv, scale, sliding_window, logit_softcap)
         # by address, 0 where the format has none: parameters, int8's scale table, the row map,
         # and int4's own-page rows (the new tokens' K/V; the staging rows and their slot map)
         k_params = v_params = scales = basis = k_new = v_new = stage_k = stage_v = stage_of = 0
-        if kv_format != _KV_FP32:
+        if kv_format in (_KV_INT8, _KV_INT4):
             k_params, v_params = kv.k_params.data_ptr(), kv.v_params.data_ptr()
             row_map = kv.format.row_map(q.shape[2])
             basis = 0 if row_map is None else row_map.data_ptr()
@@ -168,6 +171,7 @@ class CpuBackend(TorchBackend):
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self._ext_q.data_ptr(), self._ext_n.data_ptr(),
             self._ext_kv.data_ptr(), self._kv_indices.data_ptr(), self._ext_len.data_ptr(), out.data_ptr(),
             len(extends), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, sliding_window or 0,
+            kv_format,
         ) != 0:  # fmt: skip
             raise MemoryError("cpu extend attention could not allocate its buffers")
         if self.mass:  # the observed sequences the decode kernel does not do
@@ -191,17 +195,25 @@ class CpuBackend(TorchBackend):
 
 def _kernel_format(q: torch.Tensor, kv) -> int | None:
     """The kernel's code for reading ``kv`` with ``q``, or None when the kernel cannot
-    (then the reference path does): float32 queries on the CPU over contiguous CPU
-    caches, either float32 pages, int8 pages with their contiguous log-scale bytes
-    beside them, or int4 pages (``int4``, ``int4_norot``) with their contiguous fp16
-    parameters and their sealer's float32 staging rows."""
-    caches = (kv.k, kv.v)
+    (then the reference path does): float32 queries on the CPU, over pages it reads
+    (``_pages_format``)."""
     if not (q.device.type == "cpu" and q.dtype == torch.float32):
         return None
+    return _pages_format(kv)
+
+
+def _pages_format(kv) -> int | None:
+    """The kernel's code for ``kv``'s pages, or None when it cannot read them: contiguous
+    CPU caches, either float32 or bfloat16 pages, int8 pages with their contiguous
+    log-scale bytes beside them, or int4 pages (``int4``, ``int4_norot``) with their
+    contiguous fp16 parameters and their sealer's float32 staging rows."""
+    caches = (kv.k, kv.v)
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in caches):
         return None
     if kv.k_params is None:
-        return _KV_FP32 if all(t.dtype == torch.float32 for t in caches) else None
+        if all(t.dtype == torch.float32 for t in caches):
+            return _KV_FP32
+        return _KV_BF16 if all(t.dtype == torch.bfloat16 for t in caches) else None
     params = (kv.k_params, kv.v_params)
     if not all(p.device.type == "cpu" and p.is_contiguous() for p in params):
         return None

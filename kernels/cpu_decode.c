@@ -21,7 +21,9 @@
  *   mass_at      [n]                sequence i's positions start at mass[mass_at[i]] (< 0: not observed)
  * Query head j uses KV head j / (hq / hkv), as GQA's repeat_interleave does.
  *
- * KV formats (kv_format): KV_FP32, elements as they are; KV_INT8, codes c in [-127, 127]
+ * KV formats (kv_format): KV_FP32, elements as they are; KV_BF16, bfloat16 elements, each
+ * row widened to float32 as it is read (exact: the top 16 bits of a float), so the sums
+ * are fp32's on the values the cache holds; KV_INT8, codes c in [-127, 127]
  * standing for c * scale, scale = scales[b] with b the row's byte. The scales are folded
  * into the sums instead of dequantizing each element:
  *   q . k     = scale * sum_e q_e c_e
@@ -90,7 +92,7 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2 };
+enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2, KV_BF16 = 3 };
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -124,15 +126,41 @@ INLINE float dot(const float *a, const float *b, int64_t d) {
     return acc[0];
 }
 
-INLINE const float *row_of(const float *cache, const int32_t *pages, int64_t t, int64_t page_size, int64_t row) {
-    return cache + ((int64_t)pages[t / page_size] * page_size + t % page_size) * row;
+/* token t's row of `row` elements of `size` bytes */
+INLINE const void *row_of(const void *cache, const int32_t *pages, int64_t t, int64_t page_size, int64_t row,
+                          int64_t size) {
+    return (const char *)cache + ((int64_t)pages[t / page_size] * page_size + t % page_size) * row * size;
 }
 
 /* ask for the cache lines of token t's row before they are needed (none past `end`) */
-INLINE void prefetch_row(const float *cache, const int32_t *pages, int64_t t, int64_t end, int64_t page_size, int64_t row) {
+INLINE void prefetch_row(const void *cache, const int32_t *pages, int64_t t, int64_t end, int64_t page_size, int64_t row,
+                         int64_t size) {
     if (t >= end) return;
-    const float *r = row_of(cache, pages, t, page_size, row);
-    for (int64_t e = 0; e < row; e += 16) __builtin_prefetch(r + e);
+    const char *r = row_of(cache, pages, t, page_size, row, size);
+    for (int64_t o = 0; o < row * size; o += 64) __builtin_prefetch(r + o);
+}
+
+/* dst[0..n) = the bfloat16 values src[0..n) as floats (exact: a bfloat16 is a float's top half) */
+INLINE void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t e = 0;
+#if defined(__AVX2__)
+    for (; e + 8 <= n; e += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + e)));
+        _mm256_storeu_ps(dst + e, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+#endif
+    for (; e < n; e++) {
+        const uint32_t bits = (uint32_t)src[e] << 16;
+        memcpy(dst + e, &bits, sizeof bits);
+    }
+}
+
+/* token t's row as floats: in place for float32 pages, widened into buf for bfloat16 */
+INLINE const float *float_row(const void *cache, const int32_t *pages, int64_t t, int64_t page_size, int64_t row,
+                              int bf16, float *buf) {
+    if (!bf16) return row_of(cache, pages, t, page_size, row, sizeof(float));
+    widen_bf16(row_of(cache, pages, t, page_size, row, sizeof(uint16_t)), buf, row);
+    return buf;
 }
 
 /* Per head j of scores [hq][span]: m[j] = the largest score, each score replaced by
@@ -188,15 +216,18 @@ INLINE void observe_range(const float *e, const float *l, int64_t hq, int64_t sp
 /* Sequence i's query heads against positions [from, to) of its context, unnormalized:
  * per head j, m[j] = the largest score, l[j] = sum of exp(score - m[j]) and
  * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. mass,
- * kept: observe_range's (mass NULL: the row is not observed), as in the other formats. */
-INLINE void attend_part(const float *qi, const float *k_cache, const float *v_cache, const int32_t *pages,
+ * kept: observe_range's (mass NULL: the row is not observed), as in the other formats.
+ * Float32 pages (bf16 = 0) or bfloat16 pages (bf16 = 1: each row widened as it is read,
+ * then the same sums). */
+INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cache, const int32_t *pages,
                         int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
                         int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap, float *mass,
-                        float *kept) {
-    const int64_t group = hq / hkv, row = hkv * d, span = to - from;
+                        float *kept, const int bf16) {
+    const int64_t group = hq / hkv, row = hkv * d, span = to - from, size = bf16 ? 2 : 4;
+    float buf[bf16 ? row : 1];
     for (int64_t t = from; t < to; t++) {
-        prefetch_row(k_cache, pages, t + AHEAD, to, page_size, row);
-        const float *kr = row_of(k_cache, pages, t, page_size, row);
+        prefetch_row(k_cache, pages, t + AHEAD, to, page_size, row, size);
+        const float *kr = float_row(k_cache, pages, t, page_size, row, bf16, buf);
         for (int64_t h = 0, j = 0; h < hkv; h++)
             for (int64_t g = 0; g < group; g++, j++) {
                 float s = dot(qi + j * d, kr + h * d, d) * scale;
@@ -207,8 +238,8 @@ INLINE void attend_part(const float *qi, const float *k_cache, const float *v_ca
     softmax_rows(scores, acc, m, l, hq, d, span);
     if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
     for (int64_t t = from; t < to; t++) {
-        prefetch_row(v_cache, pages, t + AHEAD, to, page_size, row);
-        const float *vr = row_of(v_cache, pages, t, page_size, row);
+        prefetch_row(v_cache, pages, t + AHEAD, to, page_size, row, size);
+        const float *vr = float_row(v_cache, pages, t, page_size, row, bf16, buf);
         for (int64_t h = 0, j = 0; h < hkv; h++)
             for (int64_t g = 0; g < group; g++, j++) {
                 const float p = scores[j * span + (t - from)];
@@ -961,7 +992,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
                          const int32_t *seq_lens, float *out, float *mass, const int64_t *mass_at, int64_t n,
                          int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, int64_t window,
                          float softcap, int64_t kv_format) {
-    if (kv_format != KV_FP32 && kv_format != KV_INT8 && kv_format != KV_INT4) return -1;
+    if (kv_format != KV_FP32 && kv_format != KV_INT8 && kv_format != KV_INT4 && kv_format != KV_BF16) return -1;
     /* Each context split into ranges of about DCHUNK positions, so that one long sequence
      * still keeps every thread reading (a thread streams its own contiguous range;
      * splitting by KV head instead measured slower). The ranges depend on the sequence
@@ -1017,7 +1048,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         /* scratch: the scores [hq][span]; int8 also keeps the range's slots [span] (first,
          * for their alignment), a scale per token and KV head and a turned query [hq][d];
          * int4 the slots, two parameters per token and KV head, and attend_part_int4's rest */
-        const size_t bytes = kv_format == KV_FP32   ? sizeof(float) * (size_t)(hq * span)
+        const size_t bytes = kv_format == KV_FP32 || kv_format == KV_BF16 ? sizeof(float) * (size_t)(hq * span)
                              : kv_format == KV_INT8 ? sizeof(int64_t) * (size_t)span
                                                           + sizeof(float) * (size_t)((hq + hkv) * span + hq * d)
                                                     : sizeof(int64_t) * (size_t)span
@@ -1031,19 +1062,23 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         }
         const float *qi = q + rows[i] * hq * d;
         const int32_t *pages = kv_indices + kv_starts[i];
-        if (kv_format == KV_FP32) {
-            const float *kc = k_cache, *vc = v_cache;
+        if (kv_format == KV_FP32 || kv_format == KV_BF16) {
             float *scores = scratch;
             /* the common head sizes as constants, so the loops over d unroll into whole vectors */
-#define FP32_PART(D) \
-    attend_part(qi, kc, vc, pages, from, to, scores, acc, m, l, hq, hkv, D, page_size, scale, softcap, mass_i, kept_i)
-            if (d == 64)
-                FP32_PART(64);
+#define FLOAT_PART(D, BF16)                                                                                           \
+    attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, D, page_size, scale, softcap, mass_i, \
+                kept_i, BF16)
+            if (kv_format == KV_BF16 && d == 64)
+                FLOAT_PART(64, 1);
+            else if (kv_format == KV_BF16)
+                FLOAT_PART(d, 1);
+            else if (d == 64)
+                FLOAT_PART(64, 0);
             else if (d == 128)
-                FP32_PART(128);
+                FLOAT_PART(128, 0);
             else
-                FP32_PART(d);
-#undef FP32_PART
+                FLOAT_PART(d, 0);
+#undef FLOAT_PART
         } else if (kv_format == KV_INT8) {
             const int8_t *kc = k_cache, *vc = v_cache;
             int64_t *slots = scratch;
@@ -1114,11 +1149,13 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
 }
 
 
-/* ---- extends: a sequence's several new tokens against its pages (fp32) ----
+/* ---- extends: a sequence's several new tokens against its pages (fp32, bf16) ----
  *
  * out rows of the n new tokens of each sequence, attending causally to its seq_lens[i]
  * positions (the new ones' K/V already in the pages; window > 0: the last `window`
- * positions up to each row), for float32 pages. A sequence's query rows for one KV head
+ * positions up to each row), for float32 pages (kv_format KV_FP32) or bfloat16 pages
+ * (KV_BF16: each block's K/V rows widened to float32 once, for all of the task's rows,
+ * then the same tiles on them). A sequence's query rows for one KV head
  * are its n tokens x G heads (G = hq / hkv share the KV head); one task takes up to
  * ECHUNK of them (so one long extend still spreads over the threads), scaled once and
  * transposed to [d][rows], against blocks of EK positions read in place from the pages:
@@ -1135,8 +1172,9 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
  * The rows share each block's K/V, where per-sequence SDPA calls paid their own setup and
  * the decode kernel would read the context once per row. Layouts as radixkv_paged_decode;
  * q_start[i]: sequence i's first query row, n_new[i] its new tokens. Returns 0; -1 when
- * the shapes are not the kernel's (d a multiple of 32, hq a multiple of hkv) or there is
- * no AVX2 + FMA (the caller takes the reference path); -2 when a buffer cannot be had. */
+ * the shapes are not the kernel's (d a multiple of 32, hq a multiple of hkv), the format
+ * is neither, or there is no AVX2 + FMA (the caller takes the reference path); -2 when a
+ * buffer cannot be had. */
 #if defined(__AVX2__) && defined(__FMA__)
 #define EK 16      /* positions per block */
 #define ECHUNK 96  /* query rows per task at most (a multiple of 16) */
@@ -1244,13 +1282,13 @@ INLINE void softmax8(float *sT, int64_t rs, float *m, float *l, float *alpha, __
     _mm256_store_ps(alpha, a);
 }
 
-int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_cache, const int64_t *q_start,
+int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
                          const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
-                         int64_t page_size, float scale, int64_t window) {
-    if (d % 32 != 0 || hq % hkv != 0) return -1;
+                         int64_t page_size, float scale, int64_t window, int64_t kv_format) {
+    if (d % 32 != 0 || hq % hkv != 0 || (kv_format != KV_FP32 && kv_format != KV_BF16)) return -1;
     if (nseq == 0) return 0;
-    const int64_t G = hq / hkv;
+    const int64_t G = hq / hkv, bf16 = kv_format == KV_BF16;
     /* tasks: (sequence, KV head, a chunk of at most ECHUNK query rows), so that one long
      * extend still keeps every thread busy */
     int64_t ntasks = 0;
@@ -1273,7 +1311,10 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
         float *m = aligned_alloc(32, sizeof(float) * ECHUNK), *l = aligned_alloc(32, sizeof(float) * ECHUNK);
         float *alpha = aligned_alloc(32, sizeof(float) * ECHUNK);
         int32_t *lastp = aligned_alloc(32, sizeof(int32_t) * ECHUNK), *firstp = aligned_alloc(32, sizeof(int32_t) * ECHUNK);
-        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp) {
+        /* bfloat16 pages: a block's K and V rows (one KV head) widened */
+        float *kb = bf16 ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
+        float *vb = bf16 ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
+        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bf16 && (!kb || !vb))) {
 #pragma omp atomic write
             err = -2;
         } else {
@@ -1305,9 +1346,15 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
                     const int64_t kn = end - k0 < EK ? end - k0 : EK;
                     const float *kp[EK], *vp[EK];
                     for (int64_t j = 0; j < EK; j++) {
-                        if (j < kn) {
+                        if (j < kn && bf16) {
                             const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
-                            kp[j] = k_cache + (slot * hkv + h) * d, vp[j] = v_cache + (slot * hkv + h) * d;
+                            widen_bf16((const uint16_t *)k_cache + (slot * hkv + h) * d, kb + j * d, d);
+                            widen_bf16((const uint16_t *)v_cache + (slot * hkv + h) * d, vb + j * d, d);
+                            kp[j] = kb + j * d, vp[j] = vb + j * d;
+                        } else if (j < kn) {
+                            const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
+                            kp[j] = (const float *)k_cache + (slot * hkv + h) * d;
+                            vp[j] = (const float *)v_cache + (slot * hkv + h) * d;
                         } else {  /* past the end: zero K and V (weight zero, and 0 * V is 0) */
                             kp[j] = vp[j] = zero;
                         }
@@ -1335,16 +1382,16 @@ int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_ca
                 }
             }
         }
-        free(qT), free(ob), free(sT), free(zero), free(m), free(l), free(alpha), free(lastp), free(firstp);
+        free(qT), free(ob), free(sT), free(zero), free(m), free(l), free(alpha), free(lastp), free(firstp), free(kb), free(vb);
     }
     free(task_seq), free(task_row);
     return err;
 }
 #else
-int radixkv_paged_extend(const float *q, const float *k_cache, const float *v_cache, const int64_t *q_start,
+int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
                          const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
-                         int64_t page_size, float scale, int64_t window) {
+                         int64_t page_size, float scale, int64_t window, int64_t kv_format) {
     return -1;
 }
 #endif

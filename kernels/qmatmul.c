@@ -1347,9 +1347,9 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
 
 /* ---- a decode step's layers in one call ----
  *
- * For a native model's decode batch over a float32 KV pool with the CPU attention kernel:
- * every layer in turn, its new K/V rows copied into the pool (what the pool's store does
- * for float32 pages), its attention through cpu_decode.c's radixkv_paged_decode (passed in
+ * For a native model's decode batch over a float32 or bfloat16 KV pool with the CPU
+ * attention kernel: every layer in turn, its new K/V rows written into the pool (what the
+ * pool's store does: copied, or rounded to bfloat16 as torch rounds), its attention through cpu_decode.c's radixkv_paged_decode (passed in
  * as a function pointer with the arguments CpuBackend.plan prepared, so the same kernel with
  * the same arguments), and radixkv_native_layer between attentions: the same computation,
  * bit for bit, as the layer loop in Python, without its per-layer calls. */
@@ -1363,7 +1363,7 @@ typedef struct {  /* one layer, as weights.py describes it */
     qmat qkv, o, gate_up, down;
     const float *attn_norm, *mlp_norm, *qkv_bias;
     const float *q_norm, *k_norm;  /* NULL: no q/k norms */
-    float *k_cache, *v_cache;  /* the layer's float32 pages: [pages * page_size, hkv, d] */
+    void *k_cache, *v_cache;   /* the layer's pages: [pages * page_size, hkv, d] of the attention's kv_format */
     int64_t window;            /* sliding window in tokens, 0: none */
 } qlayer;
 
@@ -1373,7 +1373,26 @@ typedef struct {  /* the attention kernel and this step's arguments to it (CpuBa
     const int32_t *kv_starts, *kv_indices, *seq_lens;
     int64_t page_size;
     float scale, softcap;
+    int64_t kv_format;  /* cpu_decode.c's: 0 float32 pages, 3 bfloat16 */
 } attention;
+
+/* x rounded to bfloat16 as torch rounds (to nearest, ties to even; NaN stays a quiet NaN) */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* n values into a page row: copied (float32) or rounded (bfloat16) */
+static void store_row(void *cache, int64_t at, const float *src, int64_t n, int64_t kv_format) {
+    if (kv_format == 0) {
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    for (int64_t e = 0; e < n; e++) dst[e] = to_bf16(src[e]);
+}
 
 /* x [n, hidden]: the embedded new tokens, updated in place to the last layer's residual;
  * slots[r]: token r's pool row. Returns 0; -2 when scratch cannot be allocated; the
@@ -1393,12 +1412,12 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
         for (int64_t r = 0; r < n; r++) {
             const float *row = qkv + r * width;
             memcpy(q + r * hq * d, row, sizeof(float) * (size_t)(hq * d));
-            memcpy(l->k_cache + slots[r] * kv, row + hq * d, sizeof(float) * (size_t)kv);
-            memcpy(l->v_cache + slots[r] * kv, row + hq * d + kv, sizeof(float) * (size_t)kv);
+            store_row(l->k_cache, slots[r] * kv, row + hq * d, kv, att->kv_format);
+            store_row(l->v_cache, slots[r] * kv, row + hq * d + kv, kv, att->kv_format);
         }
         status = att->fn(q, l->k_cache, l->v_cache, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, att->rows,
                          att->kv_starts, att->kv_indices, att->seq_lens, out, NULL, NULL, n, hq, hkv, d,
-                         att->page_size, att->scale, l->window, att->softcap, 0);
+                         att->page_size, att->scale, l->window, att->softcap, att->kv_format);
         if (status == 0)
             status = radixkv_native_layer(x, n, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
                                           next ? next->attn_norm : NULL, next ? &next->qkv : NULL,

@@ -119,6 +119,30 @@ def test_extends_with_a_head_size_the_kernel_does_not_take(cpu, monkeypatch):
     assert calls == [frozenset({1})]  # head size 24: the extend goes through SDPA
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("hq, hkv, dim", [(9, 3, 64), (8, 1, 128), (4, 4, 32), (9, 3, 24)])
+def test_bfloat16_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hkv, dim):
+    """bf16 caches (float32 queries): decode rows, extends and a prefill through the C
+    kernels, each row widened as it is read, so equal to dense attention over the values
+    the cache holds within fp32's tolerance; windows too. Soft-capped extends, and
+    extends of a head size the extend kernel does not take (24), go to the reference
+    path; decode rows always to the decode kernel (format code 3)."""
+    sdpa = spy_on_sdpa_path(cpu, monkeypatch)
+    decode_formats, extend_calls = spy_on_kernels(cpu, monkeypatch)
+    lens, prefixes = [5, 1, 40, 2, 17, 1, 33], [11, 20, 0, 1, 16, 700, 130]
+    case = random_case(8, lens, prefixes, page_size, hq, hkv, torch.float32, dim=dim, kv_dtype=torch.bfloat16)
+    for window in (None, 7):
+        check_against_dense(cpu, case, lens, 0.125, window=window)
+    assert decode_formats == [3, 3]
+    if dim % 32 == 0:
+        assert sdpa == [] and extend_calls == [3, 3]
+    else:
+        assert sdpa == [frozenset({1, 5})] * 2 and extend_calls == []
+    sdpa.clear()
+    check_against_dense(cpu, case, lens, 0.125, softcap=20.0)
+    assert sdpa == [frozenset({1, 5})]  # soft-capped: the extends take the reference path
+
+
 def test_half_precision_cache_uses_the_reference_path(cpu):
     lens, prefixes = [1, 1], [20, 33]
     case = random_case(4, lens, prefixes, 16, 9, 3, torch.float16, dim=64)
@@ -137,17 +161,26 @@ def test_half_precision_cache_uses_the_reference_path(cpu):
 INT8_TOL = 2e-5
 
 
-def spy_on_kernel(impl, monkeypatch):
-    """Record the KV format code of each call of the C kernel."""
-    formats, lib = [], impl._lib
+def spy_on_kernels(impl, monkeypatch):
+    """Record the KV format code of each call of the decode kernel and of the extend kernel."""
+    decodes, extends, lib = [], [], impl._lib
 
     class Spy:
         def radixkv_paged_decode(self, *args):
-            formats.append(args[-1])
+            decodes.append(args[-1])
             return lib.radixkv_paged_decode(*args)
 
+        def radixkv_paged_extend(self, *args):
+            extends.append(args[-1])
+            return lib.radixkv_paged_extend(*args)
+
     monkeypatch.setattr(impl, "_lib", Spy())
-    return formats
+    return decodes, extends
+
+
+def spy_on_kernel(impl, monkeypatch):
+    """Record the KV format code of each call of the C decode kernel."""
+    return spy_on_kernels(impl, monkeypatch)[0]
 
 
 # head sizes: 64 compiled in, 24 a multiple of 8 (vector loops), 20 neither (scalar loops)

@@ -289,7 +289,7 @@ class LlamaModel:
         (``Steps.native_layer``) does the output projection, residual, MLP norm, MLP,
         residual, the next layer's norm, q/k/v projection, q/k norms and RoPE, with the
         same arithmetic, bit for bit, as the step-by-step loop on the kernel path; it saves a decode step the Python and thread wake-ups of
-        seven calls per layer. Over float32 pages with the CPU attention kernel
+        seven calls per layer. Over float32 or bfloat16 pages with the CPU attention kernel
         (``CpuBackend.decode_kernel``) the whole step is one call (``Steps.native_decode``:
         the K/V stores and that kernel too, with the same arguments, so the same bits)."""
         cfg, steps, layers = self.config, self._steps, self.layers
@@ -297,8 +297,9 @@ class LlamaModel:
         cos, sin = cos.reshape(-1, cfg.rotary_dims).contiguous(), sin.reshape(-1, cfg.rotary_dims).contiguous()
         x = x.contiguous()
         kernel = backend.decode_kernel(pool.view(0))
-        if kernel is not None:  # the CPU attention kernel over float32 pages: the whole step in one call
-            attention = Attention(*kernel, pool.page_size, cfg.attn_scale, 0.0)
+        if kernel is not None:  # the CPU attention kernel over pages it reads: the whole step in one call
+            fn, rows, starts, indices, lens, kv_format = kernel
+            attention = Attention(fn, rows, starts, indices, lens, pool.page_size, cfg.attn_scale, 0.0, kv_format)
             steps.native_decode(x, self._described_layers(pool), cfg.rms_norm_eps, (hq, hkv, d), cos, sin,
                                 batch.out_slots.contiguous(), attention)  # fmt: skip
             return x
@@ -319,7 +320,7 @@ class LlamaModel:
         return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
 
     def _described_layers(self, pool: KVPool) -> ctypes.Array:
-        """The layers with ``pool``'s float32 pages as ``Steps.native_decode`` takes them
+        """The layers with ``pool``'s pages as ``Steps.native_decode`` takes them
         (kept for the last pool: its tensors live as long as it does)."""
         cached = self._described
         if cached is not None and cached[0]() is pool:
