@@ -10,6 +10,8 @@ concurrently the way a program sends them):
     radixkv            `radixkv serve` (a separate process, default attention backend: on
                        a CPU the C decode kernel), RuntimeEndpoint client
     radixkv no-cache   the same with --no-enable-prefix-cache
+    radixkv bf16-kv    the same with --kv-dtype bf16 (half the KV bytes; vLLM's and
+                       llama.cpp's usual 16-bit cache)
     transformers       HF transformers in this process, request by request (benchmarks/peers;
                        source checkout)
     llama.cpp          llama-cpp-python's OpenAI server on the same GGUF, if installed
@@ -28,7 +30,7 @@ the system reports it), and whether the program texts equal transformers'. Also:
 bar chart of output tok/s, and a hit-rate-vs-cache-size plot from `radixkv sim` replays of
 each workload's trace.
 
-    radixkv bench [--scale full|small|tiny] [--workloads rag,agent] [--systems radixkv,radixkv-no-cache]
+    radixkv bench [--scale full|small|tiny] [--workloads rag,agent] [--systems radixkv,radixkv-no-cache,radixkv-bf16-kv]
     .venv/bin/python benchmarks/bench_e2e.py [...] [--systems radixkv,radixkv-no-cache,transformers,llama.cpp]
 """
 
@@ -135,6 +137,7 @@ class InProcess:
 SYSTEMS: dict[str, Callable] = {
     "radixkv": lambda: Served(),
     "radixkv-no-cache": lambda: Served("--no-enable-prefix-cache"),
+    "radixkv-bf16-kv": lambda: Served("--kv-dtype", "bf16"),
 }
 
 
