@@ -66,6 +66,7 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _ARGTYPES = [_ptr] * 19 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
 _KV_FP32, _KV_INT8, _KV_INT4, _KV_BF16 = 0, 1, 2, 3  # cpu_decode.c's kv_format codes
+_FLOAT_PAGES = (_KV_FP32, _KV_BF16)  # elements as floats (bf16 widened): both kernels and the one-call step
 
 
 def load_library() -> ctypes.CDLL:
@@ -131,8 +132,8 @@ class CpuBackend(TorchBackend):
         layer's is alike) holds float32 or bfloat16 pages the kernel reads; else None."""
         if len(self.decode_rows) < len(self.qo_lens) or self.mass:
             return None
-        kv_format = _pages_format(kv)
-        if kv.k_params is not None or kv.sealer is not None or kv_format not in (_KV_FP32, _KV_BF16):
+        kv_format = _pages_format(kv)  # float pages: no parameters, no sealer (that is int4's)
+        if kv_format not in _FLOAT_PAGES:
             return None
         return (self._kernel_address, self._q_rows.data_ptr(), self._kv_starts.data_ptr(), self._kv_indices.data_ptr(),
                 self._decode_lens.data_ptr(), kv_format)  # fmt: skip
@@ -140,7 +141,7 @@ class CpuBackend(TorchBackend):
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         k_cache, v_cache = kv.k, kv.v
         kv_format = _kernel_format(q, kv) if self.decode_rows or self.extends else None
-        extends = (self.extends if kv_format in (_KV_FP32, _KV_BF16) and logit_softcap is None and q.shape[2] % 32 == 0
+        extends = (self.extends if kv_format in _FLOAT_PAGES and logit_softcap is None and q.shape[2] % 32 == 0
                    and q.shape[1] % k_cache.shape[2] == 0 else frozenset())  # fmt: skip
         if kv_format is None or not (self.decode_rows or extends):
             return super().forward(q, k, v, kv, scale, sliding_window, logit_softcap)

@@ -1346,17 +1346,18 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     const int64_t kn = end - k0 < EK ? end - k0 : EK;
                     const float *kp[EK], *vp[EK];
                     for (int64_t j = 0; j < EK; j++) {
-                        if (j < kn && bf16) {
-                            const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
-                            widen_bf16((const uint16_t *)k_cache + (slot * hkv + h) * d, kb + j * d, d);
-                            widen_bf16((const uint16_t *)v_cache + (slot * hkv + h) * d, vb + j * d, d);
-                            kp[j] = kb + j * d, vp[j] = vb + j * d;
-                        } else if (j < kn) {
-                            const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
-                            kp[j] = (const float *)k_cache + (slot * hkv + h) * d;
-                            vp[j] = (const float *)v_cache + (slot * hkv + h) * d;
-                        } else {  /* past the end: zero K and V (weight zero, and 0 * V is 0) */
+                        if (j >= kn) {  /* past the end: zero K and V (weight zero, and 0 * V is 0) */
                             kp[j] = vp[j] = zero;
+                            continue;
+                        }
+                        const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
+                        const int64_t at = (slot * hkv + h) * d; /* the position's row for KV head h */
+                        if (bf16) {
+                            widen_bf16((const uint16_t *)k_cache + at, kb + j * d, d);
+                            widen_bf16((const uint16_t *)v_cache + at, vb + j * d, d);
+                            kp[j] = kb + j * d, vp[j] = vb + j * d;
+                        } else {
+                            kp[j] = (const float *)k_cache + at, vp[j] = (const float *)v_cache + at;
                         }
                     }
                     /* rows whose last visible position is before k0 see nothing here: token t sees up to total - n + t */

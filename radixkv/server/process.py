@@ -56,14 +56,14 @@ def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
         return subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
-    proc, port = start_on_free_port(start, lambda p, port: _ready(p, f"http://127.0.0.1:{port}{ready_path}", timeout),
-                                    log, f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})",
-                                    name)  # fmt: skip
+    proc, port = _start_on_free_port(start, lambda p, port: _ready(p, f"http://127.0.0.1:{port}{ready_path}", timeout),
+                                     log, f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})",
+                                     name)  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
 
 
-def start_on_free_port(start: Callable[[int], subprocess.Popen], ready: Callable[[subprocess.Popen, int], bool],
-                       log, silent: str, name: str) -> tuple[subprocess.Popen, int]:  # fmt: skip
+def _start_on_free_port(start: Callable[[int], subprocess.Popen], ready: Callable[[subprocess.Popen, int], bool],
+                        log, silent: str, name: str) -> tuple[subprocess.Popen, int]:  # fmt: skip
     """``start(port)`` on a port from free_port() until ``ready(process, port)``; returns
     (process, port). Output goes to ``log`` (emptied per attempt). A child that exits
     saying its address is in use lost the race for the port and is started again on a new
@@ -166,8 +166,8 @@ class RedisProcess:
             )  # fmt: skip
 
         with tempfile.NamedTemporaryFile("w+", prefix="redis-", suffix=".log") as log:
-            self.proc, port = start_on_free_port(start, lambda proc, port: _answers(proc, port, timeout), log,
-                                                 f"{binary} did not answer PING within {timeout:.0f} s", binary)  # fmt: skip
+            self.proc, port = _start_on_free_port(start, lambda proc, port: _answers(proc, port, timeout), log,
+                                                  f"{binary} did not answer PING within {timeout:.0f} s", binary)  # fmt: skip
         self.url = f"redis://127.0.0.1:{port}/0"
 
     def stop(self) -> None:

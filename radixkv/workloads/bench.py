@@ -10,8 +10,8 @@ concurrently the way a program sends them):
     radixkv            `radixkv serve` (a separate process, default attention backend: on
                        a CPU the C decode kernel), RuntimeEndpoint client
     radixkv no-cache   the same with --no-enable-prefix-cache
-    radixkv bf16-kv    the same with --kv-dtype bf16 (half the KV bytes; vLLM's and
-                       llama.cpp's usual 16-bit cache)
+    radixkv bf16-kv    the same with --kv-dtype bf16 (half fp32's KV bytes; a 16-bit
+                       cache, as llama.cpp's default f16 one)
     transformers       HF transformers in this process, request by request (benchmarks/peers;
                        source checkout)
     llama.cpp          llama-cpp-python's OpenAI server on the same GGUF, if installed
