@@ -22,7 +22,7 @@ cache on the same tokens, at 2k by default (``--peer-contexts``). llama.cpp runs
 GGUF's own quantized weights, so its figures compare cache types within llama.cpp, as
 radixkv's do within radixkv.
 
-    .venv/bin/python benchmarks/bench_kvquant.py [--contexts 2048 8192] [--formats bf16 int8 int4@64 ...]
+    .venv/bin/python benchmarks/bench_kvquant.py [--contexts 2048 8192] [--formats bf16 int8 int4@64 ...] [--backend torch|cpu]
         [--peer-contexts 2048] [--json benchmarks/out/bench_kvquant.json]
 
 Decode speed (``--decode-speed``, instead of the above): what a format costs per decode
@@ -133,12 +133,12 @@ def calibrated_scales(fmt: str) -> Path:
     return _CALIBRATED[fmt]
 
 
-def lockstep(model, ids: list[int], formats: list[str]) -> dict:
+def lockstep(model, ids: list[int], formats: list[str], backend_name: str = "torch") -> dict:
     """Chunked prefill of ``ids`` through an fp32 pool and one pool per format spec
-    (``parse_spec``), chunk by chunk; per format the metrics against fp32 (and fp32's
-    own perplexity)."""
+    (``parse_spec``), chunk by chunk, on one attention backend; per format the metrics
+    against fp32 (and fp32's own perplexity)."""
     c = model.config
-    backend = get_backend("torch")
+    backend = get_backend(backend_name)
     pools = {}
     for f in ["fp32", *formats]:
         name, page, scales = parse_spec(f)
@@ -177,14 +177,14 @@ def lockstep(model, ids: list[int], formats: list[str]) -> dict:
     return out
 
 
-def first_divergence(formats: list[str], new_tokens: int = 64) -> dict:
+def first_divergence(formats: list[str], new_tokens: int = 64, backend_name: str = "torch") -> dict:
     """Per format, the first greedy position (of ``new_tokens``) on each chat prompt
     where its tokens differ from the fp32 cache's (None: no difference)."""
     greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     outs = {}
     for f in ["fp32", *formats]:
         name, page, scales = parse_spec(f)
-        with Engine(kv_dtype=name, kv_scales=scales, page_size=page, kv_cache_tokens=8192, attention_backend="torch") as e:
+        with Engine(kv_dtype=name, kv_scales=scales, page_size=page, kv_cache_tokens=8192, attention_backend=backend_name) as e:
             prompts = [e.render_chat([{"role": "user", "content": q}]) for q in CHATS]
             outs[f] = [o.token_ids for o in e.generate(prompts, [greedy] * len(prompts))]
     result = {}
@@ -247,6 +247,10 @@ def main() -> None:
                          "takes minutes per run already there); none: skip it")  # fmt: skip
     ap.add_argument("--json", default=None,
                     help="default benchmarks/out/bench_kvquant.json, or bench_kvquant_decode.json with --decode-speed")
+    ap.add_argument("--backend", default="torch", choices=["torch", "cpu"],
+                    help="attention backend of the quality gate (default torch: the reference, which "
+                         "dequantizes; cpu: the C kernels' own arithmetic, e.g. bf16 products on bf16 pages "
+                         "where the CPU has them)")  # fmt: skip
     ap.add_argument("--decode-speed", action="store_true",
                     help="time decode steps per KV format on the CPU backend instead of the quality gate")
     ap.add_argument("--speed-formats", nargs="+", default=["fp32", "int8"])
@@ -269,7 +273,7 @@ def main() -> None:
     for ctx in args.contexts:
         ids = text_ids(tokenizer, ctx)
         t0 = time.perf_counter()
-        row = {"radixkv": lockstep(model, ids, args.formats)}
+        row = {"radixkv": lockstep(model, ids, args.formats, args.backend)}
         row["radixkv_seconds"] = time.perf_counter() - t0
         print(f"{ctx}: radixkv done in {row['radixkv_seconds']:.0f} s", flush=True)
         if ctx in args.peer_contexts:
@@ -278,11 +282,12 @@ def main() -> None:
             row["llama_cpp_seconds"] = time.perf_counter() - t0
             print(f"{ctx}: llama.cpp done in {row['llama_cpp_seconds']:.0f} s", flush=True)
         rows[str(ctx)] = row
-    rows["first_greedy_divergence"] = first_divergence(args.formats)
+    rows["first_greedy_divergence"] = first_divergence(args.formats, backend_name=args.backend)
     rows["bits_per_element"] = {f: bits_per_element(model.config, f) for f in ["fp32", *args.formats]}
     rows["llama_cpp_bits_per_element"] = LLAMA_BITS
     print_table(rows, args)
-    write_result(args.json, rows, text=[p.name for p in TEXTS], chunk=CHUNK, page_size=PAGE, targets=TARGETS)
+    write_result(args.json, rows, text=[p.name for p in TEXTS], chunk=CHUNK, page_size=PAGE, targets=TARGETS,
+                 backend=args.backend)
 
 
 def bits_per_element(config, spec: str) -> float:

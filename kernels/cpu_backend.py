@@ -26,7 +26,10 @@ after a shared prefix, a branch, a chunk of a long prompt) over float32 or bf16 
 to a second kernel, ``radixkv_paged_extend``: tasks of a sequence, a KV head and up to 96 of
 its query rows against blocks of 16 positions read in place from the pages, online
 softmax, so each block's K/V serves all of the task's rows (per-sequence SDPA cost more:
-1.8x on a 512-token prefill; bf16 blocks are widened once per task and block). It needs
+1.8x on a 512-token prefill). On bf16 pages it multiplies in bf16 where the CPU has
+AVX512-BF16 (``bf16_products``): the queries and the softmax weights rounded to bf16,
+sums in float32, as GPU kernels do on a bf16 cache (1.6x the widened path at few-shot's
+shape); elsewhere bf16 blocks are widened to float32 once per task and block. It needs
 AVX2 + FMA, head sizes a multiple of 32 and no soft-capped logits. The others, and int8
 or int4 prefills and extends, keep the reference path (SDPA per sequence;
 ``attend_paged`` for int4); in a mixed batch each sequence goes its own way. Queries
@@ -98,6 +101,8 @@ class CpuBackend(TorchBackend):
         self._kernel_address = ctypes.cast(self._lib.radixkv_paged_decode, ctypes.c_void_p).value  # decode_kernel's
         # the extend kernel needs AVX2 + FMA (it answers -1 without them, 0 for an empty batch)
         self._extend_kernel = self._lib.radixkv_paged_extend(*[None] * 9, 0, 1, 1, 32, 1, 1.0, 0, _KV_FP32) == 0
+        # bf16 pages' extends: products in bf16 (AVX512-BF16), else rows widened to float32
+        self.bf16_products = self._extend_kernel and self._lib.radixkv_extend_bf16_products() == 1
 
     def plan(self, batch) -> None:
         super().plan(batch)

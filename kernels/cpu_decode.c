@@ -1154,8 +1154,14 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
  * out rows of the n new tokens of each sequence, attending causally to its seq_lens[i]
  * positions (the new ones' K/V already in the pages; window > 0: the last `window`
  * positions up to each row), for float32 pages (kv_format KV_FP32) or bfloat16 pages
- * (KV_BF16: each block's K/V rows widened to float32 once, for all of the task's rows,
- * then the same tiles on them). A sequence's query rows for one KV head
+ * (KV_BF16). On bf16 pages, where the build has AVX512-BF16, the products are bf16's
+ * (vdpbf16ps: two bf16 products added to a float32 sum per lane, twice FMA's
+ * multiply-adds per instruction), as GPU attention kernels compute on a bf16 cache: the
+ * scaled queries rounded to bf16 once per task, K and V read as the pages hold them, the
+ * softmax weights rounded to bf16 for V's sums while the rows' normalisers add them
+ * unrounded, every sum in float32 (the score and V tiles below, on pairs of dims and of
+ * positions). Without it each block's K/V rows are widened to float32 once, for all of
+ * the task's rows (exact), then the float32 tiles. A sequence's query rows for one KV head
  * are its n tokens x G heads (G = hq / hkv share the KV head); one task takes up to
  * ECHUNK of them (so one long extend still spreads over the threads), scaled once and
  * transposed to [d][rows], against blocks of EK positions read in place from the pages:
@@ -1282,13 +1288,113 @@ INLINE void softmax8(float *sT, int64_t rs, float *m, float *l, float *alpha, __
     _mm256_store_ps(alpha, a);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+/* bfloat16 products (AVX512-BF16's vdpbf16ps: a lane's two bf16 products added to its
+ * float32 sum) for bf16 pages: the queries and the softmax weights rounded to bf16, K and
+ * V as the pages hold them, every sum in float32. */
+#define BF16_PRODUCTS 1
+
+INLINE __m256bh pair_of(const uint16_t *p) {  /* (p[0], p[1]) in every lane */
+    uint32_t u;
+    memcpy(&u, p, sizeof u);
+    return (__m256bh)_mm256_set1_epi32((int)u);
+}
+
+/* as score_tile_nv: qP [d / 2][rs] holds each row's (q_e, q_e+1) pairs, kp[j] bf16 K rows */
+INLINE void score_tile_bf(const uint32_t *qP, int64_t rs, const uint16_t *const *kp, int64_t d, const int nv,
+                          const int np, float *sT) {
+    __m256 a[6][2];
+    for (int j = 0; j < np; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 2) {
+        const uint32_t *qe = qP + e / 2 * rs;
+        const __m256bh q0 = (__m256bh)_mm256_load_si256((const __m256i *)qe);
+        const __m256bh q1 = nv > 1 ? (__m256bh)_mm256_load_si256((const __m256i *)(qe + 8)) : q0;
+        for (int j = 0; j < np; j++) {
+            const __m256bh k = pair_of(kp[j] + e);
+            a[j][0] = _mm256_dpbf16_ps(a[j][0], q0, k);
+            if (nv > 1) a[j][1] = _mm256_dpbf16_ps(a[j][1], q1, k);
+        }
+    }
+    for (int j = 0; j < np; j++) {
+        _mm256_store_ps(sT + j * rs, a[j][0]);
+        if (nv > 1) _mm256_store_ps(sT + j * rs + 8, a[j][1]);
+    }
+}
+
+INLINE void score_block_bf(const uint32_t *qP, int64_t rs, const uint16_t *const *kp, int64_t d, const int nv,
+                           float *sT) {
+    score_tile_bf(qP, rs, kp, d, nv, 6, sT);
+    score_tile_bf(qP, rs, kp + 6, d, nv, 6, sT + 6 * rs);
+    score_tile_bf(qP, rs, kp + 12, d, nv, 4, sT + 12 * rs);
+}
+
+/* pP[j / 2][r .. r + 8) = the 8 rows' weights of positions j and j + 1 (sT's), rounded to bf16 pairs */
+INLINE void pair_weights8(const float *sT, int64_t rs, uint32_t *pP) {
+    for (int j = 0; j < EK; j += 2) {
+        const __m128i a = (__m128i)_mm256_cvtneps_pbh(_mm256_load_ps(sT + j * rs));
+        const __m128i b = (__m128i)_mm256_cvtneps_pbh(_mm256_load_ps(sT + (j + 1) * rs));
+        _mm256_store_si256((__m256i *)(pP + j / 2 * rs), _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b)));
+    }
+}
+
+/* as pv_tile_mr on bf16: each V pair of rows (j, j + 1) interleaved into (v_j, v_j+1) pairs
+ * per dim, 16 dims as two vectors holding dims {0-3, 8-11} and {4-7, 12-15} (unpack's
+ * order): o keeps that order, unswapped when the task writes its rows out */
+INLINE void pv_tile_bf_mr(const uint32_t *pP, int64_t rs, const uint16_t *const *vp, int64_t d, const float *alpha,
+                          const int mr, float *o) {
+    for (int64_t e = 0; e < d; e += 16) {
+        __m256 a[6][2];
+        for (int t = 0; t < mr; t++) {
+            const __m256 va = _mm256_set1_ps(alpha[t]);
+            a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
+            a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < EK; j += 2) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(vp[j] + e));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(vp[j + 1] + e));
+            const __m256bh lo = (__m256bh)_mm256_unpacklo_epi16(v0, v1), hi = (__m256bh)_mm256_unpackhi_epi16(v0, v1);
+            for (int t = 0; t < mr; t++) {
+                const __m256bh w = (__m256bh)_mm256_set1_epi32((int)pP[j / 2 * rs + t]);
+                a[t][0] = _mm256_dpbf16_ps(a[t][0], lo, w);
+                a[t][1] = _mm256_dpbf16_ps(a[t][1], hi, w);
+            }
+        }
+        for (int t = 0; t < mr; t++) {
+            _mm256_storeu_ps(o + t * d + e, a[t][0]);
+            _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
+        }
+    }
+}
+
+INLINE void pv_tile_bf(const uint32_t *pP, int64_t rs, const uint16_t *const *vp, int64_t d, const float *alpha, int mr,
+                       float *o) {
+    switch (mr) {
+    case 1: pv_tile_bf_mr(pP, rs, vp, d, alpha, 1, o); break;
+    case 2: pv_tile_bf_mr(pP, rs, vp, d, alpha, 2, o); break;
+    case 3: pv_tile_bf_mr(pP, rs, vp, d, alpha, 3, o); break;
+    case 4: pv_tile_bf_mr(pP, rs, vp, d, alpha, 4, o); break;
+    case 5: pv_tile_bf_mr(pP, rs, vp, d, alpha, 5, o); break;
+    default: pv_tile_bf_mr(pP, rs, vp, d, alpha, 6, o); break;
+    }
+}
+
+/* dim of slot i of a 16-dim group of pv_tile_bf's sums: the middle two quarters swapped */
+INLINE int64_t unswap16(int64_t i) { return (i & 12) == 4 ? i + 4 : (i & 12) == 8 ? i - 4 : i; }
+#else
+#define BF16_PRODUCTS 0
+#endif
+
+/* 1 when bf16 pages' extends multiply in bf16 (this build has AVX512-BF16), else 0 */
+int radixkv_extend_bf16_products(void) { return BF16_PRODUCTS; }
+
 int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
                          const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
                          int64_t page_size, float scale, int64_t window, int64_t kv_format) {
     if (d % 32 != 0 || hq % hkv != 0 || (kv_format != KV_FP32 && kv_format != KV_BF16)) return -1;
     if (nseq == 0) return 0;
-    const int64_t G = hq / hkv, bf16 = kv_format == KV_BF16;
+    const int64_t G = hq / hkv, bf16 = kv_format == KV_BF16, bfp = bf16 && BF16_PRODUCTS;
     /* tasks: (sequence, KV head, a chunk of at most ECHUNK query rows), so that one long
      * extend still keeps every thread busy */
     int64_t ntasks = 0;
@@ -1311,10 +1417,14 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
         float *m = aligned_alloc(32, sizeof(float) * ECHUNK), *l = aligned_alloc(32, sizeof(float) * ECHUNK);
         float *alpha = aligned_alloc(32, sizeof(float) * ECHUNK);
         int32_t *lastp = aligned_alloc(32, sizeof(int32_t) * ECHUNK), *firstp = aligned_alloc(32, sizeof(int32_t) * ECHUNK);
-        /* bfloat16 pages: a block's K and V rows (one KV head) widened */
-        float *kb = bf16 ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
-        float *vb = bf16 ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
-        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bf16 && (!kb || !vb))) {
+        /* bfloat16 pages, bf16 products: the queries and weights as bf16 pairs; else a
+         * block's K and V rows (one KV head) widened */
+        uint32_t *qP = bfp ? aligned_alloc(32, sizeof(uint32_t) * (size_t)(ECHUNK * d / 2)) : NULL;
+        uint32_t *pP = bfp ? aligned_alloc(32, sizeof(uint32_t) * ECHUNK * EK / 2) : NULL;
+        float *kb = bf16 && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
+        float *vb = bf16 && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
+        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bfp && (!qP || !pP)) ||
+            (bf16 && !bfp && (!kb || !vb))) {
 #pragma omp atomic write
             err = -2;
         } else {
@@ -1329,11 +1439,24 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                 for (int64_t r = 0; r < RS; r++) {
                     if (r < R) {
                         const float *src = q + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
-                        for (int64_t e = 0; e < d; e++) qT[e * RS + r] = src[e] * scale;
+                        if (!bfp)
+                            for (int64_t e = 0; e < d; e++) qT[e * RS + r] = src[e] * scale;
+#if BF16_PRODUCTS
+                        if (bfp)
+                            for (int64_t e = 0; e < d; e += 16) {  /* (q_e, q_e+1) pairs, rounded */
+                                const __m256i c = (__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_mul_ps(_mm512_loadu_ps(src + e), _mm512_set1_ps(scale)));
+                                uint32_t pairs[8];
+                                _mm256_storeu_si256((__m256i *)pairs, c);
+                                for (int u = 0; u < 8; u++) qP[(e / 2 + u) * RS + r] = pairs[u];
+                            }
+#endif
                         lastp[r] = (int32_t)(total - n + (c0 + r) / G);
                         firstp[r] = window > 0 ? lastp[r] - (int32_t)window + 1 : 0;
                     } else {  /* padding: zero queries that see every position (their results are dropped) */
                         for (int64_t e = 0; e < d; e++) qT[e * RS + r] = 0.0f;
+                        if (bfp)
+                            for (int64_t e = 0; e < d; e += 2) qP[e / 2 * RS + r] = 0;
                         lastp[r] = INT32_MAX, firstp[r] = firstp[R - 1];  /* the groups' windows still rise */
                     }
                     m[r] = -INFINITY, l[r] = 0.0f;
@@ -1345,14 +1468,18 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                 for (int64_t k0 = begin; k0 < end; k0 += EK) {
                     const int64_t kn = end - k0 < EK ? end - k0 : EK;
                     const float *kp[EK], *vp[EK];
+                    const uint16_t *kh[EK], *vh[EK]; /* bf16 products: the rows as the pages hold them */
                     for (int64_t j = 0; j < EK; j++) {
                         if (j >= kn) {  /* past the end: zero K and V (weight zero, and 0 * V is 0) */
                             kp[j] = vp[j] = zero;
+                            kh[j] = vh[j] = (const uint16_t *)zero;
                             continue;
                         }
                         const int64_t p = k0 + j, slot = (int64_t)pages[p / page_size] * page_size + p % page_size;
                         const int64_t at = (slot * hkv + h) * d; /* the position's row for KV head h */
-                        if (bf16) {
+                        if (bfp) {
+                            kh[j] = (const uint16_t *)k_cache + at, vh[j] = (const uint16_t *)v_cache + at;
+                        } else if (bf16) {
                             widen_bf16((const uint16_t *)k_cache + at, kb + j * d, d);
                             widen_bf16((const uint16_t *)v_cache + at, vb + j * d, d);
                             kp[j] = kb + j * d, vp[j] = vb + j * d;
@@ -1365,30 +1492,56 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     r0 = r0 <= 0 ? 0 : r0 * G - c0;
                     r0 = r0 < 0 ? 0 : r0 / 8 * 8;
                     for (int64_t r = r0; r < RS; r += 16) {
-                        if (RS - r >= 16) score_block(qT + r, RS, kp, d, 2, sT + r);
-                        else score_block(qT + r, RS, kp, d, 1, sT + r);
+                        const int nv = RS - r >= 16 ? 2 : 1;
+#if BF16_PRODUCTS
+                        if (bfp) {
+                            score_block_bf(qP + r, RS, kh, d, nv, sT + r);
+                            continue;
+                        }
+#endif
+                        score_block(qT + r, RS, kp, d, nv, sT + r);
                     }
                     for (int64_t r = r0; r < RS; r += 8) {
                         const int full = kn == EK && k0 + EK - 1 <= lastp[r] && (window <= 0 || k0 >= firstp[r + 7]);
                         softmax8(sT + r, RS, m + r, l + r, alpha + r, _mm256_load_si256((const __m256i *)(lastp + r)),
                                  _mm256_load_si256((const __m256i *)(firstp + r)), k0, kn, full);
+#if BF16_PRODUCTS
+                        if (bfp) pair_weights8(sT + r, RS, pP + r);
+#endif
                     }
-                    for (int64_t r = r0; r < R; r += 6)
-                        pv_tile(sT + r, RS, vp, d, alpha + r, R - r < 6 ? (int)(R - r) : 6, ob + r * d);
+                    for (int64_t r = r0; r < R; r += 6) {
+                        const int mr = R - r < 6 ? (int)(R - r) : 6;
+#if BF16_PRODUCTS
+                        if (bfp) {
+                            pv_tile_bf(pP + r, RS, vh, d, alpha + r, mr, ob + r * d);
+                            continue;
+                        }
+#endif
+                        pv_tile(sT + r, RS, vp, d, alpha + r, mr, ob + r * d);
+                    }
                 }
                 for (int64_t r = 0; r < R; r++) {
                     float *dst = out + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
                     const float inv = 1.0f / l[r];
+#if BF16_PRODUCTS
+                    if (bfp) {
+                        for (int64_t e = 0; e < d; e++) dst[e / 16 * 16 + unswap16(e % 16)] = ob[r * d + e] * inv;
+                        continue;
+                    }
+#endif
                     for (int64_t e = 0; e < d; e++) dst[e] = ob[r * d + e] * inv;
                 }
             }
         }
         free(qT), free(ob), free(sT), free(zero), free(m), free(l), free(alpha), free(lastp), free(firstp), free(kb), free(vb);
+        free(qP), free(pP);
     }
     free(task_seq), free(task_row);
     return err;
 }
 #else
+int radixkv_extend_bf16_products(void) { return 0; }
+
 int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
                          const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,

@@ -66,9 +66,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def check_against_dense(impl, case, lens, scale, window=None, softcap=None, tol=2e-5):
+def check_against_dense(impl, case, lens, scale, window=None, softcap=None, tol=2e-5, reference=dense_reference):
     """Plan and run ``impl`` on a ``random_case``; every sequence's output within ``tol`` of
-    the dense reference, and the KV untouched (backends only read it). Returns the output."""
+    the dense reference (or ``reference``, called as it is), and the KV untouched (backends
+    only read it). Returns the output."""
     batch, q, k, v, kv, dense_k, dense_v = case
     before = kv.k.clone(), kv.v.clone()
     impl.plan(batch)
@@ -76,7 +77,7 @@ def check_against_dense(impl, case, lens, scale, window=None, softcap=None, tol=
     start = 0
     q_host, out_host = q.cpu(), out.cpu()
     for n, kd, vd in zip(lens, dense_k, dense_v):
-        ref = dense_reference(q_host[start : start + n], kd, vd, n, scale, window, softcap)
+        ref = reference(q_host[start : start + n], kd, vd, n, scale, window, softcap)
         assert (out_host[start : start + n].double() - ref).abs().max() < tol
         start += n
     assert same_bytes(kv.k, before[0]) and same_bytes(kv.v, before[1])

@@ -1,5 +1,6 @@
 """The CPU backend's C decode kernel: values, routing of decode rows, its build and fallback."""
 
+import numpy as np
 import pytest
 import torch
 from test_attention import check_against_dense, dense_reference, int8_case, random_case, same_bytes
@@ -119,20 +120,80 @@ def test_extends_with_a_head_size_the_kernel_does_not_take(cpu, monkeypatch):
     assert calls == [frozenset({1})]  # head size 24: the extend goes through SDPA
 
 
+# bf16 products against their oracle: float32 reassociation, and now and then a weight
+# rounded to the other bf16 neighbour (2^-8 of it, times V: up to ~1e-3 measured)
+BF16_PRODUCTS_TOL = 1e-2
+
+
+def bf16_products_reference(q, k_all, v_all, n_new, scale, window=None, softcap=None):
+    """What the extend kernel computes over bf16 pages with bf16 products (one sequence,
+    shapes as dense_reference's): the queries scaled and rounded to bf16, float32 scores
+    of them against the pages' K, an online softmax over blocks of 16 positions counted
+    from 0, each block's weights (float32 exponentials against the running maximum)
+    rounded to bf16 for V's sums while the normaliser adds them unrounded."""
+    assert softcap is None
+    total, group = k_all.shape[0], q.shape[1] // k_all.shape[1]
+    k = k_all.double().repeat_interleave(group, dim=1)
+    v = v_all.double().repeat_interleave(group, dim=1)
+    qb = (q.float() * scale).bfloat16().double()
+    scores = torch.einsum("qhd,khd->hqk", qb, k).float()
+    q_pos, kv_pos = torch.arange(total - n_new, total)[:, None], torch.arange(total)[None, :]
+    mask = kv_pos <= q_pos
+    if window is not None:
+        mask &= kv_pos > q_pos - window
+    m = torch.full(scores.shape[:2], float("-inf"))
+    l, acc = torch.zeros(scores.shape[:2]), torch.zeros(*scores.shape[:2], v.shape[2], dtype=torch.float64)
+    for k0 in range(0, total, 16):
+        seen = mask[:, k0 : k0 + 16]
+        s = scores[..., k0 : k0 + 16].masked_fill(~seen, float("-inf"))
+        top = torch.maximum(m, s.max(-1).values)
+        alpha = torch.where(top == m, torch.ones_like(m), torch.exp(m - top))
+        p = torch.exp(s - top[..., None]).masked_fill(~seen, 0.0)
+        acc = acc * alpha[..., None].double() + torch.einsum("hqk,khd->hqd", p.bfloat16().double(), v[k0 : k0 + 16])
+        l, m = l * alpha + p.sum(-1), top
+    return (acc / l[..., None].double()).permute(1, 0, 2)
+
+
+def test_bf16_products_reference_is_near_dense_attention():
+    """The oracle above departs from exact attention only by bf16's rounding."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((40, 9, 64), (300, 3, 64), (300, 3, 64)))
+    k, v = k.bfloat16().float(), v.bfloat16().float()
+    for window in (None, 7):
+        err = (bf16_products_reference(q, k, v, 40, 0.125, window) - dense_reference(q, k, v, 40, 0.125, window))
+        assert 1e-5 < err.abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq, hkv, dim", [(9, 3, 64), (8, 1, 128), (4, 4, 32), (9, 3, 24)])
 def test_bfloat16_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hkv, dim):
     """bf16 caches (float32 queries): decode rows, extends and a prefill through the C
-    kernels, each row widened as it is read, so equal to dense attention over the values
-    the cache holds within fp32's tolerance; windows too. Soft-capped extends, and
-    extends of a head size the extend kernel does not take (24), go to the reference
-    path; decode rows always to the decode kernel (format code 3)."""
+    kernels, read as the pages hold them; windows too. Decode rows widen each row to
+    float32 (exact), so they equal dense attention over the values the cache holds within
+    fp32's tolerance; extends and prefills multiply in bf16 where the CPU has AVX512-BF16
+    (the queries and softmax weights rounded: bf16_products_reference, up to float32's
+    reassociation and an occasional weight rounded the other way), else widen as decode
+    rows do. Soft-capped extends, and extends of a head size the extend kernel does not
+    take (24), go to the reference path; decode rows always to the decode kernel (format
+    code 3)."""
     sdpa = spy_on_sdpa_path(cpu, monkeypatch)
     decode_formats, extend_calls = spy_on_kernels(cpu, monkeypatch)
     lens, prefixes = [5, 1, 40, 2, 17, 1, 33], [11, 20, 0, 1, 16, 700, 130]
     case = random_case(8, lens, prefixes, page_size, hq, hkv, torch.float32, dim=dim, kv_dtype=torch.bfloat16)
+    bf16_extends = cpu.bf16_products and dim % 32 == 0
+
+    def reference(q, kd, vd, n, scale, window, softcap):
+        oracle = bf16_products_reference if n > 1 and bf16_extends else dense_reference
+        return oracle(q, kd, vd, n, scale, window, softcap)
+
     for window in (None, 7):
-        check_against_dense(cpu, case, lens, 0.125, window=window)
+        out = check_against_dense(cpu, case, lens, 0.125, window=window, tol=BF16_PRODUCTS_TOL, reference=reference)
+        starts = np.cumsum([0] + lens[:-1])
+        for start, n, kd, vd in zip(starts, lens, case[5], case[6]):  # every row within fp32's tolerance but extends'
+            err = (out[start : start + n].double() - reference(case[1][start : start + n], kd, vd, n, 0.125, window, None))
+            assert err.abs().max() < (BF16_PRODUCTS_TOL if n > 1 and bf16_extends else 2e-5)
+            if n > 1 and bf16_extends:  # the bulk to fp32's tolerance: a rare weight rounded the other way aside
+                assert (err.abs() < 2e-5).double().mean() > 0.95
     assert decode_formats == [3, 3]
     if dim % 32 == 0:
         assert sdpa == [] and extend_calls == [3, 3]
