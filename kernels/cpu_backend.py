@@ -6,8 +6,8 @@ batch before SDPA: per step that copy moves the whole context's K/V of every lay
 twice. ``cpu_decode.c`` reads K/V in place through the page table instead, one OpenMP
 task per range of ~128 positions of a sequence's context (by its length alone, so a row
 is the same bits in any batch and on any thread count), accumulating in float32. It reads
-fp32 pages, bf16 pages (each row widened to float32 as it is read: exact, so the sums are
-fp32's over the values the cache holds, at half the bytes), int8 pages and int4 pages
+fp32 pages, bf16 and fp16 pages (each row widened to float32 as it is read: exact, so the
+sums are fp32's over the values the cache holds, at half the bytes), int8 pages and int4 pages
 without dequantizing them: int8's log-scale byte
 per token and KV head (looked up in ``kv.format.log_scales()``), and int4's fp16 (scale,
 offset) per channel of a page (K) and per token (V), are folded into the dot products and
@@ -22,18 +22,19 @@ sealer's staging area (``Sealer.staging``, read in place) and the new token from
 forward's ``k``/``v``, as ``TorchBackend.attend_paged`` does.
 
 Prefills and extends (several new tokens, after cached ones or not: a prompt, a question
-after a shared prefix, a branch, a chunk of a long prompt) over float32 or bf16 pages go
+after a shared prefix, a branch, a chunk of a long prompt) over float32, bf16 or fp16 pages go
 to a second kernel, ``radixkv_paged_extend``: tasks of a sequence, a KV head and up to 96 of
 its query rows against blocks of 16 positions read in place from the pages, online
 softmax, so each block's K/V serves all of the task's rows (per-sequence SDPA cost more:
 1.8x on a 512-token prefill). On bf16 pages it multiplies in bf16 where the CPU has
 AVX512-BF16 (``bf16_products``): the queries and the softmax weights rounded to bf16,
 sums in float32, as GPU kernels do on a bf16 cache (1.6x the widened path at few-shot's
-shape); elsewhere bf16 blocks are widened to float32 once per task and block. It needs
-AVX2 + FMA, head sizes a multiple of 32 and no soft-capped logits. The others, and int8
+shape); elsewhere bf16 blocks, and fp16 ones always, are widened to float32 once per task
+and block. It needs AVX2 + FMA, head sizes a multiple of 32 and no soft-capped logits.
+The others, and int8
 or int4 prefills and extends, keep the reference path (SDPA per sequence;
 ``attend_paged`` for int4); in a mixed batch each sequence goes its own way. Queries
-other than float32, and caches other than fp32, bf16, int8 or int4 (fp16, fp8), run
+other than float32, and caches other than fp32, bf16, fp16, int8 or int4 (fp8), run
 wholly on the reference path.
 
 Attention mass (``batch.observe``, see ``AttentionBackend``): the kernel adds its
@@ -68,8 +69,9 @@ _library: ctypes.CDLL | None = None
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _ARGTYPES = [_ptr] * 19 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
-_KV_FP32, _KV_INT8, _KV_INT4, _KV_BF16 = 0, 1, 2, 3  # cpu_decode.c's kv_format codes
-_FLOAT_PAGES = (_KV_FP32, _KV_BF16)  # elements as floats (bf16 widened): both kernels and the one-call step
+_KV_FP32, _KV_INT8, _KV_INT4, _KV_BF16, _KV_FP16 = 0, 1, 2, 3, 4  # cpu_decode.c's kv_format codes
+_FLOAT_PAGES = (_KV_FP32, _KV_BF16, _KV_FP16)  # elements as floats (16-bit widened): both kernels, the one-call step
+_SIXTEEN_BIT = {torch.bfloat16: _KV_BF16, torch.float16: _KV_FP16}
 
 
 def load_library() -> ctypes.CDLL:
@@ -134,7 +136,7 @@ class CpuBackend(TorchBackend):
         address of the kernel function and of this plan's row, page-start, page and length
         arrays (alive until the next plan), and the kernel's code for the pages' format,
         when every sequence decodes, nothing is observed and ``kv`` (a layer's view; every
-        layer's is alike) holds float32 or bfloat16 pages the kernel reads; else None."""
+        layer's is alike) holds float32, bfloat16 or half pages the kernel reads; else None."""
         if len(self.decode_rows) < len(self.qo_lens) or self.mass:
             return None
         kv_format = _pages_format(kv)  # float pages: no parameters, no sealer (that is int4's)
@@ -210,7 +212,7 @@ def _kernel_format(q: torch.Tensor, kv) -> int | None:
 
 def _pages_format(kv) -> int | None:
     """The kernel's code for ``kv``'s pages, or None when it cannot read them: contiguous
-    CPU caches, either float32 or bfloat16 pages, int8 pages with their contiguous
+    CPU caches, either float32, bfloat16 or half pages, int8 pages with their contiguous
     log-scale bytes beside them, or int4 pages (``int4``, ``int4_norot``) with their
     contiguous fp16 parameters and their sealer's float32 staging rows."""
     caches = (kv.k, kv.v)
@@ -219,7 +221,7 @@ def _pages_format(kv) -> int | None:
     if kv.k_params is None:
         if all(t.dtype == torch.float32 for t in caches):
             return _KV_FP32
-        return _KV_BF16 if all(t.dtype == torch.bfloat16 for t in caches) else None
+        return _SIXTEEN_BIT.get(kv.k.dtype) if kv.v.dtype == kv.k.dtype else None
     params = (kv.k_params, kv.v_params)
     if not all(p.device.type == "cpu" and p.is_contiguous() for p in params):
         return None

@@ -21,9 +21,9 @@
  *   mass_at      [n]                sequence i's positions start at mass[mass_at[i]] (< 0: not observed)
  * Query head j uses KV head j / (hq / hkv), as GQA's repeat_interleave does.
  *
- * KV formats (kv_format): KV_FP32, elements as they are; KV_BF16, bfloat16 elements, each
- * row widened to float32 as it is read (exact: the top 16 bits of a float), so the sums
- * are fp32's on the values the cache holds; KV_INT8, codes c in [-127, 127]
+ * KV formats (kv_format): KV_FP32, elements as they are; KV_BF16 and KV_FP16, bfloat16 and
+ * IEEE half elements, each row widened to float32 as it is read (exact: both are subsets
+ * of float32), so the sums are fp32's on the values the cache holds; KV_INT8, codes c in [-127, 127]
  * standing for c * scale, scale = scales[b] with b the row's byte. The scales are folded
  * into the sums instead of dequantizing each element:
  *   q . k     = scale * sum_e q_e c_e
@@ -92,7 +92,8 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2, KV_BF16 = 3 };
+enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2, KV_BF16 = 3, KV_FP16 = 4 };
+#define FLOAT_FORMAT(f) ((f) == KV_FP32 || (f) == KV_BF16 || (f) == KV_FP16) /* elements widened to floats */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -155,11 +156,37 @@ INLINE void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
     }
 }
 
-/* token t's row as floats: in place for float32 pages, widened into buf for bfloat16 */
+/* dst[0..n) = the IEEE half values src[0..n) as floats (exact) */
+INLINE void widen_fp16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t e = 0;
+#if defined(__F16C__)
+    for (; e + 8 <= n; e += 8) _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + e))));
+#endif
+    for (; e < n; e++) {
+        const uint32_t h = src[e], sign = (h & 0x8000u) << 16, ex = (h >> 10) & 0x1f, m = h & 0x3ff;
+        uint32_t bits;
+        float f;
+        if (ex == 0) {  /* zero or subnormal: m * 2^-24 */
+            f = (float)m * 5.9604644775390625e-8f;
+            dst[e] = sign ? -f : f;
+            continue;
+        }
+        bits = ex == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((ex + 112) << 23) | (m << 13);
+        memcpy(dst + e, &bits, sizeof bits);
+    }
+}
+
+/* n 16-bit elements of a KV_BF16 or KV_FP16 row widened into dst */
+INLINE void widen_row(int fmt, const uint16_t *src, float *dst, int64_t n) {
+    if (fmt == KV_FP16) widen_fp16(src, dst, n);
+    else widen_bf16(src, dst, n);
+}
+
+/* token t's row as floats: in place for float32 pages, widened into buf for 16-bit ones */
 INLINE const float *float_row(const void *cache, const int32_t *pages, int64_t t, int64_t page_size, int64_t row,
-                              int bf16, float *buf) {
-    if (!bf16) return row_of(cache, pages, t, page_size, row, sizeof(float));
-    widen_bf16(row_of(cache, pages, t, page_size, row, sizeof(uint16_t)), buf, row);
+                              int fmt, float *buf) {
+    if (fmt == KV_FP32) return row_of(cache, pages, t, page_size, row, sizeof(float));
+    widen_row(fmt, row_of(cache, pages, t, page_size, row, sizeof(uint16_t)), buf, row);
     return buf;
 }
 
@@ -217,17 +244,17 @@ INLINE void observe_range(const float *e, const float *l, int64_t hq, int64_t sp
  * per head j, m[j] = the largest score, l[j] = sum of exp(score - m[j]) and
  * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. mass,
  * kept: observe_range's (mass NULL: the row is not observed), as in the other formats.
- * Float32 pages (bf16 = 0) or bfloat16 pages (bf16 = 1: each row widened as it is read,
- * then the same sums). */
+ * Float32 pages (fmt KV_FP32), or bfloat16 or half pages (KV_BF16, KV_FP16: each row widened
+ * as it is read, then the same sums). */
 INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cache, const int32_t *pages,
                         int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
                         int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap, float *mass,
-                        float *kept, const int bf16) {
-    const int64_t group = hq / hkv, row = hkv * d, span = to - from, size = bf16 ? 2 : 4;
-    float buf[bf16 ? row : 1];
+                        float *kept, const int fmt) {
+    const int64_t group = hq / hkv, row = hkv * d, span = to - from, size = fmt == KV_FP32 ? 4 : 2;
+    float buf[fmt == KV_FP32 ? 1 : row];
     for (int64_t t = from; t < to; t++) {
         prefetch_row(k_cache, pages, t + AHEAD, to, page_size, row, size);
-        const float *kr = float_row(k_cache, pages, t, page_size, row, bf16, buf);
+        const float *kr = float_row(k_cache, pages, t, page_size, row, fmt, buf);
         for (int64_t h = 0, j = 0; h < hkv; h++)
             for (int64_t g = 0; g < group; g++, j++) {
                 float s = dot(qi + j * d, kr + h * d, d) * scale;
@@ -239,7 +266,7 @@ INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cach
     if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
     for (int64_t t = from; t < to; t++) {
         prefetch_row(v_cache, pages, t + AHEAD, to, page_size, row, size);
-        const float *vr = float_row(v_cache, pages, t, page_size, row, bf16, buf);
+        const float *vr = float_row(v_cache, pages, t, page_size, row, fmt, buf);
         for (int64_t h = 0, j = 0; h < hkv; h++)
             for (int64_t g = 0; g < group; g++, j++) {
                 const float p = scores[j * span + (t - from)];
@@ -972,7 +999,8 @@ INLINE int64_t parts_of(int64_t len, int64_t window) {
 }
 
 /* Decode attention of n sequences into out (see the top of this file). kv_format:
- * KV_FP32 (k_params, v_params, scales, basis and the own-page rows unused), KV_INT8 (basis
+ * KV_FP32, KV_BF16 or KV_FP16 (k_params, v_params, scales, basis and the own-page rows
+ * unused), KV_INT8 (basis
  * NULL: rows stored as they are; own-page rows unused) or KV_INT4 (scales unused; basis
  * NULL: rows stored as they are).
  *
@@ -992,7 +1020,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
                          const int32_t *seq_lens, float *out, float *mass, const int64_t *mass_at, int64_t n,
                          int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, int64_t window,
                          float softcap, int64_t kv_format) {
-    if (kv_format != KV_FP32 && kv_format != KV_INT8 && kv_format != KV_INT4 && kv_format != KV_BF16) return -1;
+    if (!FLOAT_FORMAT(kv_format) && kv_format != KV_INT8 && kv_format != KV_INT4) return -1;
     /* Each context split into ranges of about DCHUNK positions, so that one long sequence
      * still keeps every thread reading (a thread streams its own contiguous range;
      * splitting by KV head instead measured slower). The ranges depend on the sequence
@@ -1048,7 +1076,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         /* scratch: the scores [hq][span]; int8 also keeps the range's slots [span] (first,
          * for their alignment), a scale per token and KV head and a turned query [hq][d];
          * int4 the slots, two parameters per token and KV head, and attend_part_int4's rest */
-        const size_t bytes = kv_format == KV_FP32 || kv_format == KV_BF16 ? sizeof(float) * (size_t)(hq * span)
+        const size_t bytes = FLOAT_FORMAT(kv_format) ? sizeof(float) * (size_t)(hq * span)
                              : kv_format == KV_INT8 ? sizeof(int64_t) * (size_t)span
                                                           + sizeof(float) * (size_t)((hq + hkv) * span + hq * d)
                                                     : sizeof(int64_t) * (size_t)span
@@ -1062,22 +1090,26 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
         }
         const float *qi = q + rows[i] * hq * d;
         const int32_t *pages = kv_indices + kv_starts[i];
-        if (kv_format == KV_FP32 || kv_format == KV_BF16) {
+        if (FLOAT_FORMAT(kv_format)) {
             float *scores = scratch;
             /* the common head sizes as constants, so the loops over d unroll into whole vectors */
-#define FLOAT_PART(D, BF16)                                                                                           \
+#define FLOAT_PART(D, FMT)                                                                                            \
     attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, D, page_size, scale, softcap, mass_i, \
-                kept_i, BF16)
+                kept_i, FMT)
             if (kv_format == KV_BF16 && d == 64)
-                FLOAT_PART(64, 1);
+                FLOAT_PART(64, KV_BF16);
             else if (kv_format == KV_BF16)
-                FLOAT_PART(d, 1);
+                FLOAT_PART(d, KV_BF16);
+            else if (kv_format == KV_FP16 && d == 64)
+                FLOAT_PART(64, KV_FP16);
+            else if (kv_format == KV_FP16)
+                FLOAT_PART(d, KV_FP16);
             else if (d == 64)
-                FLOAT_PART(64, 0);
+                FLOAT_PART(64, KV_FP32);
             else if (d == 128)
-                FLOAT_PART(128, 0);
+                FLOAT_PART(128, KV_FP32);
             else
-                FLOAT_PART(d, 0);
+                FLOAT_PART(d, KV_FP32);
 #undef FLOAT_PART
         } else if (kv_format == KV_INT8) {
             const int8_t *kc = k_cache, *vc = v_cache;
@@ -1149,19 +1181,20 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
 }
 
 
-/* ---- extends: a sequence's several new tokens against its pages (fp32, bf16) ----
+/* ---- extends: a sequence's several new tokens against its pages (fp32, bf16, fp16) ----
  *
  * out rows of the n new tokens of each sequence, attending causally to its seq_lens[i]
  * positions (the new ones' K/V already in the pages; window > 0: the last `window`
- * positions up to each row), for float32 pages (kv_format KV_FP32) or bfloat16 pages
- * (KV_BF16). On bf16 pages, where the build has AVX512-BF16, the products are bf16's
- * (vdpbf16ps: two bf16 products added to a float32 sum per lane, twice FMA's
- * multiply-adds per instruction), as GPU attention kernels compute on a bf16 cache: the
- * scaled queries rounded to bf16 once per task, K and V read as the pages hold them, the
- * softmax weights rounded to bf16 for V's sums while the rows' normalisers add them
- * unrounded, every sum in float32 (the score and V tiles below, on pairs of dims and of
- * positions). Without it each block's K/V rows are widened to float32 once, for all of
- * the task's rows (exact), then the float32 tiles. A sequence's query rows for one KV head
+ * positions up to each row), for float32 pages (kv_format KV_FP32), bfloat16 pages
+ * (KV_BF16) or half pages (KV_FP16: each block's K/V rows widened to float32 once, for
+ * all of the task's rows, then the float32 tiles). On bf16 pages, where the build has
+ * AVX512-BF16, the products are bf16's (vdpbf16ps: two bf16 products added to a float32
+ * sum per lane, twice FMA's multiply-adds per instruction), as GPU attention kernels
+ * compute on a bf16 cache: the scaled queries rounded to bf16 once per task, K and V read
+ * as the pages hold them, the softmax weights rounded to bf16 for V's sums while the
+ * rows' normalisers add them unrounded, every sum in float32 (the score and V tiles
+ * below, on pairs of dims and of positions). Without it bf16 rows are widened as half
+ * ones are (exact). A sequence's query rows for one KV head
  * are its n tokens x G heads (G = hq / hkv share the KV head); one task takes up to
  * ECHUNK of them (so one long extend still spreads over the threads), scaled once and
  * transposed to [d][rows], against blocks of EK positions read in place from the pages:
@@ -1392,9 +1425,10 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
                          const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
                          int64_t page_size, float scale, int64_t window, int64_t kv_format) {
-    if (d % 32 != 0 || hq % hkv != 0 || (kv_format != KV_FP32 && kv_format != KV_BF16)) return -1;
+    if (d % 32 != 0 || hq % hkv != 0 || !FLOAT_FORMAT(kv_format)) return -1;
     if (nseq == 0) return 0;
-    const int64_t G = hq / hkv, bf16 = kv_format == KV_BF16, bfp = bf16 && BF16_PRODUCTS;
+    /* half: 16-bit elements; bfp: bf16 products, else those rows widened */
+    const int64_t G = hq / hkv, half = kv_format != KV_FP32, bfp = kv_format == KV_BF16 && BF16_PRODUCTS;
     /* tasks: (sequence, KV head, a chunk of at most ECHUNK query rows), so that one long
      * extend still keeps every thread busy */
     int64_t ntasks = 0;
@@ -1421,10 +1455,10 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
          * block's K and V rows (one KV head) widened */
         uint32_t *qP = bfp ? aligned_alloc(32, sizeof(uint32_t) * (size_t)(ECHUNK * d / 2)) : NULL;
         uint32_t *pP = bfp ? aligned_alloc(32, sizeof(uint32_t) * ECHUNK * EK / 2) : NULL;
-        float *kb = bf16 && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
-        float *vb = bf16 && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
+        float *kb = half && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
+        float *vb = half && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
         if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bfp && (!qP || !pP)) ||
-            (bf16 && !bfp && (!kb || !vb))) {
+            (half && !bfp && (!kb || !vb))) {
 #pragma omp atomic write
             err = -2;
         } else {
@@ -1469,6 +1503,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     const int64_t kn = end - k0 < EK ? end - k0 : EK;
                     const float *kp[EK], *vp[EK];
                     const uint16_t *kh[EK], *vh[EK]; /* bf16 products: the rows as the pages hold them */
+                    (void)kh, (void)vh;
                     for (int64_t j = 0; j < EK; j++) {
                         if (j >= kn) {  /* past the end: zero K and V (weight zero, and 0 * V is 0) */
                             kp[j] = vp[j] = zero;
@@ -1479,9 +1514,9 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                         const int64_t at = (slot * hkv + h) * d; /* the position's row for KV head h */
                         if (bfp) {
                             kh[j] = (const uint16_t *)k_cache + at, vh[j] = (const uint16_t *)v_cache + at;
-                        } else if (bf16) {
-                            widen_bf16((const uint16_t *)k_cache + at, kb + j * d, d);
-                            widen_bf16((const uint16_t *)v_cache + at, vb + j * d, d);
+                        } else if (half) {
+                            widen_row((int)kv_format, (const uint16_t *)k_cache + at, kb + j * d, d);
+                            widen_row((int)kv_format, (const uint16_t *)v_cache + at, vb + j * d, d);
                             kp[j] = kb + j * d, vp[j] = vb + j * d;
                         } else {
                             kp[j] = (const float *)k_cache + at, vp[j] = (const float *)v_cache + at;

@@ -1347,11 +1347,12 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
 
 /* ---- a decode step's layers in one call ----
  *
- * For a native model's decode batch over a float32 or bfloat16 KV pool with the CPU
+ * For a native model's decode batch over a float32, bfloat16 or half KV pool with the CPU
  * attention kernel: every layer in turn, its new K/V rows written into the pool (what the
- * pool's store does: copied, or rounded to bfloat16 as torch rounds), its attention through cpu_decode.c's radixkv_paged_decode (passed in
- * as a function pointer with the arguments CpuBackend.plan prepared, so the same kernel with
- * the same arguments), and radixkv_native_layer between attentions: the same computation,
+ * pool's store does: copied, or rounded to bfloat16 or half as torch rounds), its
+ * attention through cpu_decode.c's radixkv_paged_decode (passed in as a function pointer
+ * with the arguments CpuBackend.plan prepared, so the same kernel with the same
+ * arguments), and radixkv_native_layer between attentions: the same computation,
  * bit for bit, as the layer loop in Python, without its per-layer calls. */
 
 typedef int (*attend_fn)(const float *, const void *, const void *, const void *, const void *, const float *,
@@ -1373,7 +1374,7 @@ typedef struct {  /* the attention kernel and this step's arguments to it (CpuBa
     const int32_t *kv_starts, *kv_indices, *seq_lens;
     int64_t page_size;
     float scale, softcap;
-    int64_t kv_format;  /* cpu_decode.c's: 0 float32 pages, 3 bfloat16 */
+    int64_t kv_format;  /* cpu_decode.c's: 0 float32 pages, 3 bfloat16, 4 half */
 } attention;
 
 /* x rounded to bfloat16 as torch rounds (to nearest, ties to even; NaN stays a quiet NaN) */
@@ -1384,14 +1385,34 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-/* n values into a page row: copied (float32) or rounded (bfloat16) */
+/* x rounded to an IEEE half as torch rounds (to nearest, ties to even; overflow to
+ * infinity, underflow through the subnormals) */
+static inline uint16_t to_fp16(float x) {
+#if defined(__F16C__) && defined(USE_AVX2)
+    return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint32_t sign = (bits >> 16) & 0x8000u, ax = bits & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);      /* NaN */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);     /* rounds past 65504: infinity */
+    if (ax < 0x38800000u) {                                        /* below 2^-14: a subnormal or zero */
+        const float f = fabsf(x) * 16777216.0f;                    /* in units of 2^-24, exact */
+        return (uint16_t)(sign | (uint32_t)nearbyintf(f));         /* the default mode: ties to even */
+    }
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);           /* ties to even on the 13 dropped bits */
+    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+#endif
+}
+
+/* n values into a page row: copied (float32) or rounded (bfloat16, half) */
 static void store_row(void *cache, int64_t at, const float *src, int64_t n, int64_t kv_format) {
     if (kv_format == 0) {
         memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
         return;
     }
     uint16_t *dst = (uint16_t *)cache + at;
-    for (int64_t e = 0; e < n; e++) dst[e] = to_bf16(src[e]);
+    for (int64_t e = 0; e < n; e++) dst[e] = kv_format == 4 ? to_fp16(src[e]) : to_bf16(src[e]);
 }
 
 /* x [n, hidden]: the embedded new tokens, updated in place to the last layer's residual;

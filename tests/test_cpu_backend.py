@@ -166,21 +166,22 @@ def test_bf16_products_reference_is_near_dense_attention():
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq, hkv, dim", [(9, 3, 64), (8, 1, 128), (4, 4, 32), (9, 3, 24)])
-def test_bfloat16_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hkv, dim):
-    """bf16 caches (float32 queries): decode rows, extends and a prefill through the C
-    kernels, read as the pages hold them; windows too. Decode rows widen each row to
+@pytest.mark.parametrize("kv_dtype, code", [(torch.bfloat16, 3), (torch.float16, 4)])
+def test_sixteen_bit_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hkv, dim, kv_dtype, code):
+    """bf16 and fp16 caches (float32 queries): decode rows, extends and a prefill through
+    the C kernels, read as the pages hold them; windows too. Decode rows widen each row to
     float32 (exact), so they equal dense attention over the values the cache holds within
-    fp32's tolerance; extends and prefills multiply in bf16 where the CPU has AVX512-BF16
-    (the queries and softmax weights rounded: bf16_products_reference, up to float32's
-    reassociation and an occasional weight rounded the other way), else widen as decode
-    rows do. Soft-capped extends, and extends of a head size the extend kernel does not
-    take (24), go to the reference path; decode rows always to the decode kernel (format
-    code 3)."""
+    fp32's tolerance, as do fp16 extends; bf16 extends and prefills multiply in bf16 where
+    the CPU has AVX512-BF16 (the queries and softmax weights rounded:
+    bf16_products_reference, up to float32's reassociation and an occasional weight
+    rounded the other way), else widen as decode rows do. Soft-capped extends, and extends
+    of a head size the extend kernel does not take (24), go to the reference path; decode
+    rows always to the decode kernel (format code 3 for bf16, 4 for fp16)."""
     sdpa = spy_on_sdpa_path(cpu, monkeypatch)
     decode_formats, extend_calls = spy_on_kernels(cpu, monkeypatch)
     lens, prefixes = [5, 1, 40, 2, 17, 1, 33], [11, 20, 0, 1, 16, 700, 130]
-    case = random_case(8, lens, prefixes, page_size, hq, hkv, torch.float32, dim=dim, kv_dtype=torch.bfloat16)
-    bf16_extends = cpu.bf16_products and dim % 32 == 0
+    case = random_case(8, lens, prefixes, page_size, hq, hkv, torch.float32, dim=dim, kv_dtype=kv_dtype)
+    bf16_extends = kv_dtype == torch.bfloat16 and cpu.bf16_products and dim % 32 == 0
 
     def reference(q, kd, vd, n, scale, window, softcap):
         oracle = bf16_products_reference if n > 1 and bf16_extends else dense_reference
@@ -194,9 +195,9 @@ def test_bfloat16_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hkv, 
             assert err.abs().max() < (BF16_PRODUCTS_TOL if n > 1 and bf16_extends else 2e-5)
             if n > 1 and bf16_extends:  # the bulk to fp32's tolerance: a rare weight rounded the other way aside
                 assert (err.abs() < 2e-5).double().mean() > 0.95
-    assert decode_formats == [3, 3]
+    assert decode_formats == [code, code]
     if dim % 32 == 0:
-        assert sdpa == [] and extend_calls == [3, 3]
+        assert sdpa == [] and extend_calls == [code, code]
     else:
         assert sdpa == [frozenset({1, 5})] * 2 and extend_calls == []
     sdpa.clear()
@@ -204,7 +205,7 @@ def test_bfloat16_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hkv, 
     assert sdpa == [frozenset({1, 5})]  # soft-capped: the extends take the reference path
 
 
-def test_half_precision_cache_uses_the_reference_path(cpu):
+def test_half_precision_queries_take_the_reference_path(cpu):
     lens, prefixes = [1, 1], [20, 33]
     case = random_case(4, lens, prefixes, 16, 9, 3, torch.float16, dim=64)
     batch, q, k, v, kv, *_ = case

@@ -252,11 +252,12 @@ def all_logits(model, ids):
     return model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 16), pool, get_backend("torch"), all_logits=True)
 
 
-@pytest.mark.parametrize("backend, kv_dtype", [("auto", "fp32"), ("auto", "bf16"), ("auto", "int8"), ("torch", "fp32")])
+@pytest.mark.parametrize("backend, kv_dtype", [("auto", "fp32"), ("auto", "bf16"), ("auto", "fp16"), ("auto", "int8"),
+                                               ("torch", "fp32")])  # fmt: skip
 def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, backend, kv_dtype, monkeypatch):
-    """Decode batches of a native model skip the Python layer loop: over float32 or
-    bfloat16 pages with the CPU attention kernel the whole step is one C call (its K/V
-    stores round to bfloat16 as torch does), else one C call per layer's stretch between
+    """Decode batches of a native model skip the Python layer loop: over float32, bfloat16
+    or half pages with the CPU attention kernel the whole step is one C call (its K/V
+    stores round to 16 bits as torch does), else one C call per layer's stretch between
     attentions. Both must give the bits of the step-by-step loop (what decode rows of a
     mixed batch take): logits and the KV written."""
     c = native.config
@@ -280,7 +281,7 @@ def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, back
         pool.decref(np.concatenate(tables))
         pool.check_integrity()
         native._one_call_layers = True
-    assert len(whole_steps) == (3 if backend == "auto" and kv_dtype in ("fp32", "bf16") else 0)
+    assert len(whole_steps) == (3 if backend == "auto" and kv_dtype in ("fp32", "bf16", "fp16") else 0)
     assert torch.equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
 
 

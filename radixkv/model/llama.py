@@ -289,7 +289,7 @@ class LlamaModel:
         (``Steps.native_layer``) does the output projection, residual, MLP norm, MLP,
         residual, the next layer's norm, q/k/v projection, q/k norms and RoPE, with the
         same arithmetic, bit for bit, as the step-by-step loop on the kernel path; it saves a decode step the Python and thread wake-ups of
-        seven calls per layer. Over float32 or bfloat16 pages with the CPU attention kernel
+        seven calls per layer. Over float32, bfloat16 or half pages with the CPU attention kernel
         (``CpuBackend.decode_kernel``) the whole step is one call (``Steps.native_decode``:
         the K/V stores and that kernel too, with the same arguments, so the same bits)."""
         cfg, steps, layers = self.config, self._steps, self.layers
