@@ -1245,6 +1245,23 @@ INLINE void score_block(const float *qT, int64_t rs, const float *const *kp, int
     score_tile_nv(qT, rs, kp + 12, d, nv, 4, sT + 12 * rs);
 }
 
+/* a V tile's running sums of dims e .. e + 16 of its mr rows: in, times the rows' rescale
+ * alpha (one multiply per output), and out */
+INLINE void sums_in(const float *o, int64_t d, int64_t e, const float *alpha, const int mr, __m256 a[6][2]) {
+    for (int t = 0; t < mr; t++) {
+        const __m256 va = _mm256_set1_ps(alpha[t]);
+        a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
+        a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
+    }
+}
+
+INLINE void sums_out(float *o, int64_t d, int64_t e, const int mr, __m256 a[6][2]) {
+    for (int t = 0; t < mr; t++) {
+        _mm256_storeu_ps(o + t * d + e, a[t][0]);
+        _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
+    }
+}
+
 /* o[t][0..d) = alpha[t] o[t] + sum over the block's EK positions j of pT[j][t] v_j, t < mr
  * <= 6 (pT row stride rs, V rows vp[j], o [mr][d]): 16 dims at a time, the rows' sums in
  * 2 mr registers, each V vector loaded once for the tile's rows. Per output one multiply
@@ -1253,11 +1270,7 @@ INLINE void pv_tile_mr(const float *pT, int64_t rs, const float *const *vp, int6
                        const int mr, float *o) {
     for (int64_t e = 0; e < d; e += 16) {
         __m256 a[6][2];
-        for (int t = 0; t < mr; t++) {
-            const __m256 va = _mm256_set1_ps(alpha[t]);
-            a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
-            a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
-        }
+        sums_in(o, d, e, alpha, mr, a);
 #pragma GCC unroll 16
         for (int j = 0; j < EK; j++) {
             const __m256 v0 = _mm256_loadu_ps(vp[j] + e), v1 = _mm256_loadu_ps(vp[j] + e + 8);
@@ -1267,10 +1280,7 @@ INLINE void pv_tile_mr(const float *pT, int64_t rs, const float *const *vp, int6
                 a[t][1] = _mm256_fmadd_ps(w, v1, a[t][1]);
             }
         }
-        for (int t = 0; t < mr; t++) {
-            _mm256_storeu_ps(o + t * d + e, a[t][0]);
-            _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
-        }
+        sums_out(o, d, e, mr, a);
     }
 }
 
@@ -1377,11 +1387,7 @@ INLINE void pv_tile_bf_mr(const uint32_t *pP, int64_t rs, const uint16_t *const 
                           const int mr, float *o) {
     for (int64_t e = 0; e < d; e += 16) {
         __m256 a[6][2];
-        for (int t = 0; t < mr; t++) {
-            const __m256 va = _mm256_set1_ps(alpha[t]);
-            a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
-            a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
-        }
+        sums_in(o, d, e, alpha, mr, a);
 #pragma GCC unroll 8
         for (int j = 0; j < EK; j += 2) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(vp[j] + e));
@@ -1393,10 +1399,7 @@ INLINE void pv_tile_bf_mr(const uint32_t *pP, int64_t rs, const uint16_t *const 
                 a[t][1] = _mm256_dpbf16_ps(a[t][1], hi, w);
             }
         }
-        for (int t = 0; t < mr; t++) {
-            _mm256_storeu_ps(o + t * d + e, a[t][0]);
-            _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
-        }
+        sums_out(o, d, e, mr, a);
     }
 }
 
