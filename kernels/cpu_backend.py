@@ -7,10 +7,10 @@ twice. ``cpu_decode.c`` reads K/V in place through the page table instead, one O
 task per range of ~128 positions of a sequence's context (by its length alone, so a row
 is the same bits in any batch and on any thread count), accumulating in float32. It reads
 fp32 pages, bf16 and fp16 pages (each row widened to float32 as it is read: exact, so the
-sums are fp32's over the values the cache holds, at half the bytes), int8 pages and int4 pages
-without dequantizing them: int8's log-scale byte
-per token and KV head (looked up in ``kv.format.log_scales()``), and int4's fp16 (scale,
-offset) per channel of a page (K) and per token (V), are folded into the dot products and
+sums are fp32's over the values the cache holds, at half the bytes), int8 pages and
+int4 pages without dequantizing them: int8's log-scale byte per token and KV head (looked
+up in ``kv.format.log_scales()``), and int4's fp16 (scale, offset) per channel of a page
+(K) and per token (V), are folded into the dot products and
 the weighted sums, so a decode step moves about a quarter (int8) or a sixth (int4, pages
 of 16) of fp32's bytes. When the format stores rows in another basis (rotated before
 quantizing), the kernel reads them in that basis: it turns the queries into it and its
@@ -31,9 +31,8 @@ AVX512-BF16 (``bf16_products``): the queries and the softmax weights rounded to 
 sums in float32, as GPU kernels do on a bf16 cache (1.6x the widened path at few-shot's
 shape); elsewhere bf16 blocks, and fp16 ones always, are widened to float32 once per task
 and block. It needs AVX2 + FMA, head sizes a multiple of 32 and no soft-capped logits.
-The others, and int8
-or int4 prefills and extends, keep the reference path (SDPA per sequence;
-``attend_paged`` for int4); in a mixed batch each sequence goes its own way. Queries
+The others, and int8 or int4 prefills and extends, keep the reference path (SDPA per
+sequence; ``attend_paged`` for int4); in a mixed batch each sequence goes its own way. Queries
 other than float32, and caches other than fp32, bf16, fp16, int8 or int4 (fp8), run
 wholly on the reference path.
 
@@ -70,8 +69,9 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _ARGTYPES = [_ptr] * 19 + [_i64] * 5 + [ctypes.c_float, _i64, ctypes.c_float, _i64]
 _KV_FP32, _KV_INT8, _KV_INT4, _KV_BF16, _KV_FP16 = 0, 1, 2, 3, 4  # cpu_decode.c's kv_format codes
-_FLOAT_PAGES = (_KV_FP32, _KV_BF16, _KV_FP16)  # elements as floats (16-bit widened): both kernels, the one-call step
-_SIXTEEN_BIT = {torch.bfloat16: _KV_BF16, torch.float16: _KV_FP16}
+# pages of floats by their dtype (16-bit ones widened as read): both kernels and the one-call step read them
+_FLOAT_CODES = {torch.float32: _KV_FP32, torch.bfloat16: _KV_BF16, torch.float16: _KV_FP16}
+_FLOAT_PAGES = tuple(_FLOAT_CODES.values())
 
 
 def load_library() -> ctypes.CDLL:
@@ -219,9 +219,7 @@ def _pages_format(kv) -> int | None:
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in caches):
         return None
     if kv.k_params is None:
-        if all(t.dtype == torch.float32 for t in caches):
-            return _KV_FP32
-        return _SIXTEEN_BIT.get(kv.k.dtype) if kv.v.dtype == kv.k.dtype else None
+        return _FLOAT_CODES.get(kv.k.dtype) if kv.v.dtype == kv.k.dtype else None
     params = (kv.k_params, kv.v_params)
     if not all(p.device.type == "cpu" and p.is_contiguous() for p in params):
         return None

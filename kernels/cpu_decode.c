@@ -88,7 +88,7 @@
 #include <string.h>
 
 #define AHEAD 4
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -97,7 +97,7 @@ enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2, KV_BF16 = 3, KV_FP16 = 4 };
 
 #define INLINE static inline __attribute__((always_inline))
 
-#include "vexp.h"  /* exp_nonpositive, exp8_nonpositive */
+#include "vexp.h"  /* exp_nonpositive, exp8_nonpositive, half_to_float, WITH_CONSTANT_ROWS */
 
 /* sum of a[e] * b[e] over e < d */
 INLINE float dot(const float *a, const float *b, int64_t d) {
@@ -162,18 +162,7 @@ INLINE void widen_fp16(const uint16_t *src, float *dst, int64_t n) {
 #if defined(__F16C__)
     for (; e + 8 <= n; e += 8) _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + e))));
 #endif
-    for (; e < n; e++) {
-        const uint32_t h = src[e], sign = (h & 0x8000u) << 16, ex = (h >> 10) & 0x1f, m = h & 0x3ff;
-        uint32_t bits;
-        float f;
-        if (ex == 0) {  /* zero or subnormal: m * 2^-24 */
-            f = (float)m * 5.9604644775390625e-8f;
-            dst[e] = sign ? -f : f;
-            continue;
-        }
-        bits = ex == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((ex + 112) << 23) | (m << 13);
-        memcpy(dst + e, &bits, sizeof bits);
-    }
+    for (; e < n; e++) dst[e] = half_to_float(src[e]);
 }
 
 /* n 16-bit elements of a KV_BF16 or KV_FP16 row widened into dst */
@@ -586,23 +575,6 @@ INLINE int64_t unsplit(int64_t e, int64_t half) { return e < half ? 2 * e : 2 * 
  * same values, but sums of terms of both signs, of half the size (the offsets, about
  * -range / 2, would otherwise mostly cancel the codes' sums: 3-10x the rounding error). */
 #define MID 8
-
-#if !defined(__F16C__)
-/* an IEEE half's bits as a float (exact: every half is a float), where F16C is missing */
-INLINE float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13); /* inf, NaN */
-    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else { /* zero or subnormal: man * 2^-24 */
-        const float f = (float)man * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
 
 /* a (scale, offset) pair of fp16 */
 INLINE void half_pair(const uint16_t *p, float *s, float *o) {
@@ -1286,14 +1258,9 @@ INLINE void pv_tile_mr(const float *pT, int64_t rs, const float *const *vp, int6
 
 INLINE void pv_tile(const float *pT, int64_t rs, const float *const *vp, int64_t d, const float *alpha, int mr,
                     float *o) {
-    switch (mr) {  /* a constant mr in each call: the loops unroll, the sums stay in registers */
-    case 1: pv_tile_mr(pT, rs, vp, d, alpha, 1, o); break;
-    case 2: pv_tile_mr(pT, rs, vp, d, alpha, 2, o); break;
-    case 3: pv_tile_mr(pT, rs, vp, d, alpha, 3, o); break;
-    case 4: pv_tile_mr(pT, rs, vp, d, alpha, 4, o); break;
-    case 5: pv_tile_mr(pT, rs, vp, d, alpha, 5, o); break;
-    default: pv_tile_mr(pT, rs, vp, d, alpha, 6, o); break;
-    }
+#define PV_TILE(R) pv_tile_mr(pT, rs, vp, d, alpha, R, o)
+    WITH_CONSTANT_ROWS(mr, PV_TILE);
+#undef PV_TILE
 }
 
 /* The online softmax of one block for 8 rows (lanes): sT's EK vectors (row stride rs) become
@@ -1405,14 +1372,9 @@ INLINE void pv_tile_bf_mr(const uint32_t *pP, int64_t rs, const uint16_t *const 
 
 INLINE void pv_tile_bf(const uint32_t *pP, int64_t rs, const uint16_t *const *vp, int64_t d, const float *alpha, int mr,
                        float *o) {
-    switch (mr) {
-    case 1: pv_tile_bf_mr(pP, rs, vp, d, alpha, 1, o); break;
-    case 2: pv_tile_bf_mr(pP, rs, vp, d, alpha, 2, o); break;
-    case 3: pv_tile_bf_mr(pP, rs, vp, d, alpha, 3, o); break;
-    case 4: pv_tile_bf_mr(pP, rs, vp, d, alpha, 4, o); break;
-    case 5: pv_tile_bf_mr(pP, rs, vp, d, alpha, 5, o); break;
-    default: pv_tile_bf_mr(pP, rs, vp, d, alpha, 6, o); break;
-    }
+#define PV_TILE_BF(R) pv_tile_bf_mr(pP, rs, vp, d, alpha, R, o)
+    WITH_CONSTANT_ROWS(mr, PV_TILE_BF);
+#undef PV_TILE_BF
 }
 
 /* dim of slot i of a 16-dim group of pv_tile_bf's sums: the middle two quarters swapped */
@@ -1491,9 +1453,10 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                         lastp[r] = (int32_t)(total - n + (c0 + r) / G);
                         firstp[r] = window > 0 ? lastp[r] - (int32_t)window + 1 : 0;
                     } else {  /* padding: zero queries that see every position (their results are dropped) */
-                        for (int64_t e = 0; e < d; e++) qT[e * RS + r] = 0.0f;
                         if (bfp)
                             for (int64_t e = 0; e < d; e += 2) qP[e / 2 * RS + r] = 0;
+                        else
+                            for (int64_t e = 0; e < d; e++) qT[e * RS + r] = 0.0f;
                         lastp[r] = INT32_MAX, firstp[r] = firstp[R - 1];  /* the groups' windows still rise */
                     }
                     m[r] = -INFINITY, l[r] = 0.0f;

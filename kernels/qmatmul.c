@@ -51,26 +51,12 @@
 #define USE_AVX2 1
 #endif
 
-#include "vexp.h"  /* INLINE, exp_nonpositive, exp8_nonpositive (shared with cpu_decode.c) */
+#include "vexp.h"  /* INLINE, exp_nonpositive, exp8_nonpositive, half_to_float, WITH_CONSTANT_ROWS */
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
-static inline float half(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
-    if (e == 0) {  /* zero or subnormal: m * 2^-24 */
-        float v = (float)m * 5.9604644775390625e-8f;
-        return sign ? -v : v;
-    }
-    bits = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
+/* the little-endian fp16 at p */
+static inline float half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
 /* The 6-bit scale and min of group j of a Q4_K / Q5_K super-block. */
 static void scale_min(int j, const uint8_t *s, int *sc, int *mn) {
@@ -904,17 +890,11 @@ INLINE void tile_mr(const float *panel, int64_t depth, const float *x, const int
 #endif
 }
 
-/* tile_mr with mr a constant in each call (the loops unroll and the accumulators stay in
- * registers: both need it inlined where it is used) */
+/* tile_mr with mr a constant in each call (both need it inlined where it is used) */
 INLINE void tile(const float *panel, int64_t depth, const float *x, int mr, float *out) {
-    switch (mr) {
-    case 1: tile_mr(panel, depth, x, 1, out); break;
-    case 2: tile_mr(panel, depth, x, 2, out); break;
-    case 3: tile_mr(panel, depth, x, 3, out); break;
-    case 4: tile_mr(panel, depth, x, 4, out); break;
-    case 5: tile_mr(panel, depth, x, 5, out); break;
-    default: tile_mr(panel, depth, x, 6, out); break;
-    }
+#define TILE(R) tile_mr(panel, depth, x, R, out)
+    WITH_CONSTANT_ROWS(mr, TILE);
+#undef TILE
 }
 
 /* [TILE_NR][width] 32-bit elements (rows 32-byte aligned, width a multiple of 8) as
@@ -1095,14 +1075,9 @@ INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t
 
 INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
                    const float *xd, const float *xs, int mr, float *lanes, float *out) {
-    switch (mr) {  /* a constant mr in each call: the loops unroll, the accumulators stay in registers */
-    case 1: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 1, lanes, out); break;
-    case 2: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 2, lanes, out); break;
-    case 3: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 3, lanes, out); break;
-    case 4: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 4, lanes, out); break;
-    case 5: igtile_mr(codes, dm, nb, cols, xq, xd, xs, 5, lanes, out); break;
-    default: igtile_mr(codes, dm, nb, cols, xq, xd, xs, TILE_MR, lanes, out); break;
-    }
+#define IGTILE(R) igtile_mr(codes, dm, nb, cols, xq, xd, xs, R, lanes, out)
+    WITH_CONSTANT_ROWS(mr, IGTILE);
+#undef IGTILE
 }
 
 /* y[n, rows] = W^T times the rounded activations xb for a 32-value type on integer panels,

@@ -1,6 +1,8 @@
-/* e^x for x <= 0, scalar and on eight AVX2 lanes: shared by cpu_decode.c (softmax after
- * subtracting the max) and qmatmul.c (SwiGLU's sigmoid, from e^-|x|). Included by the C
- * sources beside it; radixkv.kernels.build keys a build by the text of such includes too. */
+/* What cpu_decode.c and qmatmul.c share: e^x for x <= 0, scalar and on eight AVX2 lanes
+ * (softmax after subtracting the max; SwiGLU's sigmoid, from e^-|x|), an IEEE half's
+ * value, and the call of a tile function with its row count as a constant. Included by
+ * the C sources beside it; radixkv.kernels.build keys a build by the text of such
+ * includes too. */
 
 #ifndef RADIXKV_VEXP_H
 #define RADIXKV_VEXP_H
@@ -13,6 +15,37 @@
 #ifndef INLINE
 #define INLINE static inline __attribute__((always_inline))
 #endif
+
+/* The value of the IEEE half with bits h (exact: every half is a float). */
+INLINE float half_to_float(uint16_t h) {
+#if defined(__F16C__) && defined(__AVX2__) && defined(__FMA__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {  /* zero or subnormal: m * 2^-24 */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const uint32_t bits = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* CALL(R) with R the constant 1 .. 6 equal to rows (6 for more): a tile function inlined
+ * with a constant row count unrolls its loops and keeps its sums in registers. */
+#define WITH_CONSTANT_ROWS(rows, CALL) \
+    do {                               \
+        switch (rows) {                \
+        case 1: CALL(1); break;        \
+        case 2: CALL(2); break;        \
+        case 3: CALL(3); break;        \
+        case 4: CALL(4); break;        \
+        case 5: CALL(5); break;        \
+        default: CALL(6); break;       \
+        }                              \
+    } while (0)
 
 /* e^x for x <= 0, written so loops over it vectorize:
  * x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' expf

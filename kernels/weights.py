@@ -52,7 +52,8 @@ class QMat(ctypes.Structure):
 
 
 class QLayer(ctypes.Structure):
-    """One layer of a native model over a float32, bfloat16 or half pool (``qlayer`` in ``qmatmul.c``)."""
+    """One layer of a native model over a float32, bfloat16 or half pool (``qlayer`` in
+    ``qmatmul.c``)."""
 
     _fields_ = [("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat), ("attn_norm", ctypes.c_void_p),
                 ("mlp_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
@@ -317,8 +318,9 @@ class Steps:
                       cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, attention: Attention) -> None:
         """Every layer of a decode step in one call (``x``, the embedded tokens ``[n,
         hidden]``, becomes the last layer's residual in place): per layer the new K/V rows
-        written into the float32, bfloat16 or half pool at ``slots`` (``[n]`` int64), ``attention`` (the CPU
-        kernel, ``CpuBackend.decode_kernel``), and ``native_layer``'s stretch. ``layers``:
+        written into the float32, bfloat16 or half pool at ``slots`` (``[n]`` int64),
+        ``attention`` (the CPU kernel, ``CpuBackend.decode_kernel``), and ``native_layer``'s
+        stretch. ``layers``:
         ``QLayer`` per layer; ``heads``: (query heads, KV heads, head dim); ``cos``/``sin``
         ``[n, rot]``, RoPE over the first ``rot`` dims of each head."""
         n, hidden = x.shape
