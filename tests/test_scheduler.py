@@ -82,9 +82,10 @@ def test_in_batch_dedup_waits_for_a_whole_shared_page_but_not_for_less():
     a, b = request("a", shared + [1]), request("b", shared + [2])
     s.add(a)
     s.add(b)
-    assert step(s) == [("a", 0, 16)]  # b would recompute a's pages: it waits a step
-    assert step(s) == [("a", 16, 5), ("b", 16, 5)]  # b takes a's 4 published pages
-    assert pages(b)[:4] == pages(a)[:4]
+    assert step(s) == [("a", 0, 16)]  # b would recompute a's pages: it waits
+    assert step(s) == [("a", 16, 5)]  # and still waits: a's chunk computes b's fifth page
+    assert step(s) == [("a", 21, 1), ("b", 20, 1)]  # b takes all 5 shared pages, computes its own token
+    assert pages(b)[:5] == pages(a)[:5]
     s.kv.check(s.owners())
     # identical short prompts (no whole page to share) and n samples are admitted together
     t = scheduler()
@@ -92,6 +93,38 @@ def test_in_batch_dedup_waits_for_a_whole_shared_page_but_not_for_less():
     for r in twins:
         t.add(r)
     assert step(t) == [(f"t{i}", 0, 3) for i in range(4)]
+
+
+def test_a_prefix_prefilled_in_chunks_is_computed_once_for_every_request_that_shares_it():
+    # few-shot: one long shared prefix, questions arriving together; the prefix takes 3
+    # chunks, and nobody computes a page of it that another request is computing
+    s = scheduler(num_pages=64, max_batch_tokens=40, chunk=16)
+    prefix = list(range(100, 140))  # 40 tokens: 10 whole pages, 3 chunks
+    qs = [request(f"q{i}", prefix + [i, i + 50, i + 60]) for i in range(3)]
+    for q in qs:
+        s.add(q)
+    assert step(s) == [("q0", 0, 16)]
+    assert step(s) == [("q0", 16, 16)]
+    assert step(s) == [("q0", 32, 11)]
+    # the prefix's 10 pages are published: the others take them and compute only their own 3 tokens
+    assert step(s) == [("q0", 43, 1), ("q1", 40, 3), ("q2", 40, 3)]
+    assert [q.kv.cached_tokens for q in qs] == [0, 40, 40]
+    assert pages(qs[1])[:10] == pages(qs[2])[:10] == pages(qs[0])[:10]
+    assert s.kv.tree.cached_pages == 10
+    s.kv.check(s.owners())
+    # a request that shares less than a whole page with the one prefilling does not wait
+    t = scheduler(num_pages=64, max_batch_tokens=40, chunk=16)
+    long, other = request("long", list(range(100, 140))), request("other", [100, 101, 102] + list(range(7, 27)))
+    t.add(long)
+    t.add(other)
+    assert step(t) == [("long", 0, 16), ("other", 0, 16)]
+    # prompt logprobs from position 0: nothing cached is taken, so nothing to wait for
+    u = scheduler(num_pages=64, max_batch_tokens=40, chunk=16)
+    a, b = request("a", prefix + [1]), request("b", prefix + [2], prompt_logprobs_from=0)
+    u.add(a)
+    step(u)
+    u.add(b)
+    assert step(u) == [("a", 16, 16), ("b", 0, 16)]
 
 
 def test_eviction_comes_before_preemption_and_preemption_takes_the_newest():

@@ -3,9 +3,12 @@
 Each step spends one token budget. Running sequences go first, one token each when
 decoding or their next prefill chunk; waiting requests are then admitted, longest
 highest ``priority`` first, then longest cached prefix while the queue is short (first
-come, first served beyond that),
-skipping for one step a request whose uncached prefix another admission is about to
-compute. There is no separate decode phase: a step's batch mixes all of these.
+come, first served beyond that), skipping a request whose next uncached page a running
+request (admitted this step or still prefilling in chunks) is about to compute: it
+waits until that page is in the tree instead of computing it a second time beside the
+other (64 questions over one few-shot prefix compute the prefix once, not once per
+question admitted while its chunks run). There is no separate decode phase: a step's
+batch mixes all of these.
 
 Memory: pages come from the pool; when it runs short, unlocked tree leaves are evicted
 first, then the running request of the lowest priority (the most recently admitted
@@ -138,14 +141,15 @@ class Scheduler:
             order.sort(key=lambda r: (-r.params.priority, -cached[id(r)]))  # stable: FCFS among equals
         elif any(r.params.priority for r in order):
             order.sort(key=lambda r: -r.params.priority)
-        admitted: list[Request] = []
+        # requests whose prompts are being computed: admitted this step, or prefilling in chunks
+        computing = [r for r in self.running if r.kv.computed < len(r.tokens) - 1]
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            if admitted and self.kv.tree is not None:
+            if computing and self.kv.tree is not None:
                 own = cached[id(req)] if cached else self.kv.cached_len(req.tokens, req.kv.namespace)
-                if self._shares_pending_prefix(req, own, admitted):
-                    continue  # computed by an earlier admission this step; hit the cache next step
+                if self._shares_pending_prefix(req, own, computing):
+                    continue  # another request computes it: a cache hit once that chunk is published
             self.kv.admit(req.kv, req.tokens, req.params.prompt_logprobs_from)
             count = self._chunk(req, budget)
             if not self.kv.reserve(req.kv, count, make_room):
@@ -156,7 +160,7 @@ class Scheduler:
                 req.rank = (self.kv.pinned.birth(req.session_id), next(self._admissions))
             self.waiting.remove(req)
             self.running.append(req)
-            admitted.append(req)
+            computing.append(req)
             plan.append(ScheduledSeq(req, req.kv.computed, count))
             budget -= count
 
@@ -167,16 +171,25 @@ class Scheduler:
         until = self.kv.until_point(req.kv)
         return count if until is None else min(count, until)
 
-    def _shares_pending_prefix(self, req: Request, cached: int, admitted: list[Request]) -> bool:
-        """Whether an admission of this step computes at least the whole page that follows
-        ``req``'s ``cached`` tokens, which ``req`` could then take from the cache next step.
-        A prompt with no such whole page left (e.g. a short prompt, or n samples of one)
-        has nothing to wait for: it is admitted beside its twins."""
+    def _shares_pending_prefix(self, req: Request, cached: int, computing: list[Request]) -> bool:
+        """Whether a request that is computing its prompt (admitted this step, or running
+        in prefill chunks) computes at least the whole page that follows ``req``'s
+        ``cached`` tokens, which ``req`` can then take from the cache once that request's
+        chunk is published. A prompt with no such whole page left (e.g. a short prompt, or
+        n samples of one) has nothing to wait for: it is admitted beside its twins. Does
+        not mutate.
+
+            other:  [ cached | chunk computing now | later chunks ... ]
+            req:    [ cached | next page ... same tokens ... | own ]
+                             ^ waits while any shared whole page is still to come"""
         end = cached + self.page_size
         if end > len(req.tokens) - 1:  # its match key is tokens[:-1]: no whole page to gain
             return False
+        recompute_from = req.params.prompt_logprobs_from  # admit takes no cached page from there on
+        if recompute_from is not None and end > max(0, recompute_from - 1) // self.page_size * self.page_size:
+            return False
         mine = req.tokens[:end]
-        return any(o.kv.namespace == req.kv.namespace and o.tokens[:end] == mine for o in admitted)
+        return any(o.kv.namespace == req.kv.namespace and o.tokens[:end] == mine for o in computing)
 
     def _make_room(self, req: Request, plan: list[ScheduledSeq]) -> bool:
         """Memory for a running request's growth once no unlocked page is left. Without
