@@ -440,35 +440,44 @@ static inline __attribute__((always_inline)) void split_group(int type, const ui
 /* The 32-value types, split rows: codes u stand for d u + m (Q4_0: m = -8 d, Q5_0: m = -16 d;
  * Q8_0's codes are signed, m = 0), so sum_j (d u_j + m) dx q_j = d dx sum(u q) + m s. AVX2 takes
  * eight blocks at a time: their integer sums reduced into one vector, scaled by the eight
- * d dx at once, the offsets m s likewise. */
-static inline __attribute__((always_inline)) void dot_split(int type, const uint8_t *row, const xrow *xs,
-                                                            const int nt, int64_t nb, float *out) {
+ * d dx at once, the offsets m s likewise. R rows (row, row + rb, ...; R a constant) go side
+ * by side, group by group, so their chains of float steps overlap; each row's steps are its
+ * own (the same bits whatever R): out[t * stride + q] for row q and token t. */
+static inline __attribute__((always_inline)) void dot_split(int type, const uint8_t *row, int64_t rb, const int R,
+                                                            const xrow *xs, const int nt, int64_t nb, float *out,
+                                                            int64_t stride) {
     const split_fields f = fields_of(type, nb);
     const float base = type == T_Q5_0 ? -16.0f : type == T_Q4_0 ? -8.0f : 0.0f;
 #ifdef USE_AVX2
-    __m256 acc[NT_MAX];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[2][NT_MAX];
+    for (int q = 0; q < R; q++)
+        for (int t = 0; t < nt; t++) acc[q][t] = _mm256_setzero_ps();
     int64_t i0 = 0;
-    for (; i0 + 8 <= nb; i0 += 8) split_group(type, row, f, base, xs, nt, i0, 8, acc);
-    if (i0 < nb) split_group(type, row, f, base, xs, nt, i0, (int)(nb - i0), acc);  /* the last nb % 8 blocks */
-    for (int t = 0; t < nt; t++) out[t] = hsum8(acc[t]);  /* lanes8's order */
+    for (; i0 + 8 <= nb; i0 += 8)
+        for (int q = 0; q < R; q++) split_group(type, row + q * rb, f, base, xs, nt, i0, 8, acc[q]);
+    if (i0 < nb)  /* the last nb % 8 blocks */
+        for (int q = 0; q < R; q++) split_group(type, row + q * rb, f, base, xs, nt, i0, (int)(nb - i0), acc[q]);
+    for (int q = 0; q < R; q++)
+        for (int t = 0; t < nt; t++) out[t * stride + q] = hsum8(acc[q][t]);  /* lanes8's order */
 #else
-    float sum[NT_MAX][8];
-    for (int t = 0; t < nt; t++)
-        for (int k = 0; k < 8; k++) sum[t][k] = 0.0f;
-    for (int64_t i = 0; i < nb; i++) {
-        const int k = (int)(i & 7);
-        const float d = half(row + 2 * i), m = type == T_Q8_0 ? 0.0f : f.has_m ? half(row + f.m + 2 * i) : base * d;
-        int16_t u[32];
-        unpack_block(type, row, nb, i, u);
-        for (int t = 0; t < nt; t++) {
-            const int16_t *q = xs[t].q + 32 * i;
-            int isum = 0;
-            for (int j = 0; j < 32; j++) isum += u[j] * q[j];
-            sum[t][k] = fmaf(m, xs[t].s[i], fmaf(d * xs[t].d[i], (float)isum, sum[t][k]));
+    for (int q = 0; q < R; q++, row += rb) {
+        float sum[NT_MAX][8];
+        for (int t = 0; t < nt; t++)
+            for (int k = 0; k < 8; k++) sum[t][k] = 0.0f;
+        for (int64_t i = 0; i < nb; i++) {
+            const int k = (int)(i & 7);
+            const float d = half(row + 2 * i), m = type == T_Q8_0 ? 0.0f : f.has_m ? half(row + f.m + 2 * i) : base * d;
+            int16_t u[32];
+            unpack_block(type, row, nb, i, u);
+            for (int t = 0; t < nt; t++) {
+                const int16_t *q = xs[t].q + 32 * i;
+                int isum = 0;
+                for (int j = 0; j < 32; j++) isum += u[j] * q[j];
+                sum[t][k] = fmaf(m, xs[t].s[i], fmaf(d * xs[t].d[i], (float)isum, sum[t][k]));
+            }
         }
+        for (int t = 0; t < nt; t++) out[t * stride + q] = lanes8(sum[t]);
     }
-    for (int t = 0; t < nt; t++) out[t] = lanes8(sum[t]);
 #endif
 }
 
@@ -614,26 +623,47 @@ static inline __attribute__((always_inline)) void dot_q6_k(const uint8_t *w, con
 #endif
 }
 
-/* Row w against nt tokens (xs[t]: token t's blocks), out[t] = the dot products; nt is made a
- * constant per call, so the token loops unroll and the accumulators stay in registers. */
-#define DOT_NT(N)                                                                                       \
+/* nrows rows of W from w (row bytes rb) against nt tokens (xs[t]: token t's blocks): out[t *
+ * stride + q] = row q's dot product with token t. The type and nt are constants in each
+ * expansion, so the loops unroll and the accumulators stay in registers; the 32-value types
+ * take rows in pairs for up to two tokens (dot_split with R = 2: the same bits as alone). */
+static inline __attribute__((always_inline)) void rows_of(int type, const uint8_t *w, int64_t rb, int64_t nrows,
+                                                          const xrow *xs, const int nt, int64_t nb, float *out,
+                                                          int64_t stride) {
+    int64_t q = 0;
+    if (is_split(type)) {
+        if (nt <= 2)
+            for (; q + 2 <= nrows; q += 2) dot_split(type, w + q * rb, rb, 2, xs, nt, nb, out + q, stride);
+        for (; q < nrows; q++) dot_split(type, w + q * rb, rb, 1, xs, nt, nb, out + q, stride);
+        return;
+    }
+    for (; q < nrows; q++) {
+        float o[NT_MAX];
+        if (type == T_Q6_K) dot_q6_k(w + q * rb, xs, nt, nb, o);
+        else dot_q45_k(type, w + q * rb, xs, nt, nb, o);
+        for (int t = 0; t < nt; t++) out[t * stride + q] = o[t];
+    }
+}
+
+#define ROWS_NT(N)                                                                                      \
     switch (type) {                                                                                     \
-    case T_Q4_0: dot_split(T_Q4_0, w, xs, N, nb, out); break;                                           \
-    case T_Q4_1: dot_split(T_Q4_1, w, xs, N, nb, out); break;                                           \
-    case T_Q5_0: dot_split(T_Q5_0, w, xs, N, nb, out); break;                                           \
-    case T_Q5_1: dot_split(T_Q5_1, w, xs, N, nb, out); break;                                           \
-    case T_Q8_0: dot_split(T_Q8_0, w, xs, N, nb, out); break;                                           \
-    case T_Q4_K: dot_q45_k(T_Q4_K, w, xs, N, nb, out); break;                                           \
-    case T_Q5_K: dot_q45_k(T_Q5_K, w, xs, N, nb, out); break;                                           \
-    default: dot_q6_k(w, xs, N, nb, out);                                                               \
+    case T_Q4_0: rows_of(T_Q4_0, w, rb, nrows, xs, N, nb, out, stride); break;                          \
+    case T_Q4_1: rows_of(T_Q4_1, w, rb, nrows, xs, N, nb, out, stride); break;                          \
+    case T_Q5_0: rows_of(T_Q5_0, w, rb, nrows, xs, N, nb, out, stride); break;                          \
+    case T_Q5_1: rows_of(T_Q5_1, w, rb, nrows, xs, N, nb, out, stride); break;                          \
+    case T_Q8_0: rows_of(T_Q8_0, w, rb, nrows, xs, N, nb, out, stride); break;                          \
+    case T_Q4_K: rows_of(T_Q4_K, w, rb, nrows, xs, N, nb, out, stride); break;                          \
+    case T_Q5_K: rows_of(T_Q5_K, w, rb, nrows, xs, N, nb, out, stride); break;                          \
+    default: rows_of(T_Q6_K, w, rb, nrows, xs, N, nb, out, stride);                                     \
     }
 
-static void dot_row(int type, const uint8_t *w, const xrow *xs, int nt, int64_t nb, float *out) {
+static void dot_rows(int type, const uint8_t *w, int64_t rb, int64_t nrows, const xrow *xs, int nt, int64_t nb,
+                     float *out, int64_t stride) {
     switch (nt) {
-    case 1: DOT_NT(1); break;
-    case 2: DOT_NT(2); break;
-    case 3: DOT_NT(3); break;
-    default: DOT_NT(4); break;
+    case 1: ROWS_NT(1); break;
+    case 2: ROWS_NT(2); break;
+    case 3: ROWS_NT(3); break;
+    default: ROWS_NT(4); break;
     }
 }
 
@@ -686,7 +716,6 @@ int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t
 /* ---- the product ---- */
 
 #define ROW_CHUNK 16   /* rows one task computes (their packed bytes stay in L1/L2) */
-#define TOKEN_TILE 64  /* tokens whose rounded activations stay in L2 while a chunk runs */
 
 typedef struct {  /* a matrix in the kernels' layout, as weights.py describes it */
     int type;
@@ -722,27 +751,26 @@ static void quantize_rows(const float *x, int64_t n, int64_t cols, const xbuf *x
     for (int64_t k = 0; k < blocks; k++) quantize_block(x + 32 * k, xb->q + 32 * k, xb->d + k, xb->s + k);
 }
 
-/* rows [r0, r1) of y[n, rows] = x . W^T through dot_row, from the rounded activations xb */
+/* rows [r0, r1) of y[n, rows] = x . W^T through dot_rows, from the rounded activations xb:
+ * ROW_CHUNK rows at a time against every group of up to NT_MAX tokens (the chunk's bytes
+ * stay in L1 across the groups) */
 static void kernel_rows(const qmat *m, int64_t n, float *y, const xbuf *xb, int64_t r0, int64_t r1) {
     const int64_t nb = m->cols / 32, rb = row_bytes(m->type, m->cols), rows = m->rows;
-    for (int64_t t0 = 0; t0 < n; t0 += TOKEN_TILE) {
-        int64_t t1 = t0 + TOKEN_TILE < n ? t0 + TOKEN_TILE : n;
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t b = t0; b < t1; b += NT_MAX) {
-                int nt = t1 - b < NT_MAX ? (int)(t1 - b) : NT_MAX;
-                xrow xr[NT_MAX];
-                float out[NT_MAX];
-                for (int t = 0; t < nt; t++) xr[t] = (xrow){xb->q + (b + t) * nb * 32, xb->d + (b + t) * nb, xb->s + (b + t) * nb};
-                dot_row(m->type, m->w + r * rb, xr, nt, nb, out);
-                for (int t = 0; t < nt; t++) y[(b + t) * rows + r] = out[t];
-            }
+    for (int64_t c = r0; c < r1; c += ROW_CHUNK) {
+        const int64_t nrows = r1 - c < ROW_CHUNK ? r1 - c : ROW_CHUNK;
+        for (int64_t b = 0; b < n; b += NT_MAX) {
+            int nt = n - b < NT_MAX ? (int)(n - b) : NT_MAX;
+            xrow xr[NT_MAX];
+            for (int t = 0; t < nt; t++) xr[t] = (xrow){xb->q + (b + t) * nb * 32, xb->d + (b + t) * nb, xb->s + (b + t) * nb};
+            dot_rows(m->type, m->w + c * rb, rb, nrows, xr, nt, nb, y + b * rows + c, rows);
+        }
     }
 }
 
 static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
 
 /* From this many tokens on, products of the 32-value types take the integer panels (the
- * same bits as dot_row: see split_panels); K-quants always take dot_row here. */
+ * same bits as dot_rows: see split_panels); K-quants always take dot_rows here. */
 #define PANELS_FROM 8
 
 /* y[n, rows] = x[n, cols] . W^T, called by every thread of a parallel region (its loops
@@ -1082,8 +1110,8 @@ INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t co
 
 /* y[n, rows] = W^T times the rounded activations xb for a 32-value type on integer panels,
  * called by every thread of a parallel region: each thread takes a contiguous range of
- * panels (ends with a barrier). The bits are dot_row's, so a thread that cannot have its
- * scratch computes its rows through dot_row instead. */
+ * panels (ends with a barrier). The bits are dot_rows', so a thread that cannot have its
+ * scratch computes its rows through dot_rows instead. */
 static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     const int64_t cols = m->cols, nb = cols / 32, rb = row_bytes(m->type, cols), rows = m->rows;
     const int64_t panels = (rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();

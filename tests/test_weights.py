@@ -160,11 +160,12 @@ def test_the_prefill_path_computes_the_same_product(cols):
     kernel's order, so the kernel's bits; rounded activations times dequantized weights in
     float32 for the K-quants (Q6_K), float32 rounding away from the kernel's result. Both
     within float32 rounding of a float64 product of the same operands, and batch-invariant:
-    every token's row the same bits alone, in a partial tile and in any batch (300 rows: a
-    partial panel; 1 and 2 threads), and the portable build's the same bits."""
+    every token's row the same bits alone, in a partial tile and in any batch (301 rows: a
+    partial panel, and an odd last row beside the kernel's pairs of rows; 1 and 2 threads),
+    and the portable build's the same bits."""
     k_quants = (14,) if cols % 256 == 0 else ()  # Q6_K's blocks hold 256 values
     for type_id in (2, 3, 6, 7, 8, *k_quants):  # the 32-value types through the integer panels, Q6_K through float32
-        m = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 300, cols)), cols)
+        m = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 301, cols)), cols)
         x = torch.randn(weights.DENSE_FROM + 5, cols)
         kernel = torch.cat([m.linear(x[i : i + 1]) for i in range(len(x))])
         dense = m.linear(x)
