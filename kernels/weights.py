@@ -182,6 +182,12 @@ class PackedMatrix:
     def type_name(self) -> str:
         return TYPES[self.type_id][0]
 
+    @property
+    def paths_agree(self) -> bool:
+        """Whether ``linear`` gives a token the same bits on either path (the kernel, the
+        panels): true for the 32-value types, whose panels take the kernel's float steps."""
+        return TYPES[self.type_id][1] == 32
+
     def __repr__(self) -> str:
         return f"PackedMatrix({self.type_name}, {list(self.shape)})"
 

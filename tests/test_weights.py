@@ -286,6 +286,45 @@ def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, back
     assert torch.equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
 
 
+def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native, monkeypatch):
+    """A batch of decode rows beside an extend: for the 32-value types (the embedded
+    model's Q4_1 and Q8_0) every row goes through the panels in one product, and each
+    sequence's logits and KV are the bits it gets alone; a K-quant's rows are still split
+    by sequence (its two paths round differently)."""
+    from radixkv.model import llama
+
+    c = native.config
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (40, 21)]
+    extend = rng.integers(0, c.vocab_size, 37).tolist()
+    pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=64))
+    tables = [pool.alloc(4) for _ in prompts]
+    native.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool)
+    decode = [SeqInput([7], len(p), t) for p, t in zip(prompts, tables)]
+    alone = [native.forward(ForwardBatch.build([s], 16), pool) for s in decode]
+    ext_table = pool.alloc(3)
+    ext_alone = native.forward(ForwardBatch.build([SeqInput(extend, 0, ext_table)], 16), pool)
+    kv_alone = pool.read_pages(np.concatenate([*tables, ext_table]))
+    calls = []
+    monkeypatch.setattr(weights.PackedMatrix, "linear", lambda self, x, threads=None, dense=None,
+                        f=weights.PackedMatrix.linear: calls.append((len(x), dense)) or f(self, x, threads, dense))  # fmt: skip
+    mixed = native.forward(ForwardBatch.build([*decode, SeqInput(extend, 0, ext_table)], 16), pool)
+    assert torch.equal(mixed, torch.cat([*alone, ext_alone]))
+    assert np.array_equal(pool.read_pages(np.concatenate([*tables, ext_table])), kv_alone)
+    layer_calls = calls[:-1]  # the head takes one row per sequence
+    assert len(layer_calls) == 4 * c.num_layers and set(layer_calls) == {(len(extend) + 2, True)}
+    pool.decref(np.concatenate([*tables, ext_table]))
+    pool.check_integrity()
+    # the K-quants: the same batch shape, rows routed by their own sequence
+    q6 = PackedMatrix(14, torch.from_numpy(random_blocks(14, 48, 256)), 256)
+    assert not llama._paths_agree(q6) and llama._paths_agree(native.layers[0].qkv)
+    assert not llama._paths_agree(llama.Stacked([native.layers[0].o, q6])) and not llama._paths_agree(torch.ones(2, 2))
+    x = torch.randn(len(extend) + 2, 256, generator=torch.Generator().manual_seed(1))
+    routed = llama._routed_linear(ForwardBatch.build([*decode, SeqInput(extend, 0, ext_table)], 16))(x, q6)
+    assert torch.equal(routed[:2], q6.linear(x[:2], dense=False)) and torch.equal(routed[2:], q6.linear(x[2:], dense=True))
+    assert not torch.equal(q6.linear(x, dense=True)[:2], routed[:2])  # the two paths differ for it
+
+
 def test_native_logits_stay_within_the_stated_kl_of_fp32(native, exact):
     worst = 0.0
     for q in CHATS:

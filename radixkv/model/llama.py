@@ -366,7 +366,8 @@ def _routed_linear(batch: ForwardBatch) -> Callable:
     """``_linear`` for a native model's batch: the rows of decode sequences (one new
     token) through the packed kernel, the rows of prefill and extend sequences through
     the dense path, so that a token's path, and its result, depend on its own sequence
-    alone, never on what shares the batch."""
+    alone, never on what shares the batch. A mixed batch is one product where the matrix
+    gives every token the same bits on both paths (``_paths_agree``), two otherwise."""
     lens = batch.qo_lens
     if all(n == 1 for n in lens):
         return lambda x, w, bias=None: _linear(x, w, bias, dense=False)
@@ -376,12 +377,23 @@ def _routed_linear(batch: ForwardBatch) -> Callable:
     rows, other = decode.nonzero().squeeze(1), (~decode).nonzero().squeeze(1)
 
     def split(x, w, bias=None):
+        if _paths_agree(w):
+            return _linear(x, w, bias, dense=True)
         a, b = _linear(x[rows], w, bias, dense=False), _linear(x[other], w, bias, dense=True)
         out = torch.empty(x.shape[0], a.shape[1], dtype=a.dtype)
         out[rows], out[other] = a, b
         return out
 
     return split
+
+
+def _paths_agree(w: Matrix) -> bool:
+    """Whether ``_linear(x, w, dense=...)`` gives a token the same bits either way: packed
+    32-value types (their panels take the kernel's float steps), not the K-quants or
+    float matrices (whose small and large products sum in different orders)."""
+    if isinstance(w, Stacked):
+        return all(_paths_agree(p) for p in w.parts)
+    return isinstance(w, PackedMatrix) and w.paths_agree
 
 
 def _embed(ids: torch.Tensor, table: Matrix) -> torch.Tensor:
