@@ -6,9 +6,9 @@ highest ``priority`` first, then longest cached prefix while the queue is short 
 come, first served beyond that), skipping a request whose next uncached page a running
 request (admitted this step or still prefilling in chunks) is about to compute: it
 waits until that page is in the tree instead of computing it a second time beside the
-other (64 questions over one few-shot prefix compute the prefix once, not once per
-question admitted while its chunks run). There is no separate decode phase: a step's
-batch mixes all of these.
+other (questions sent together over one long few-shot prefix compute it once, where a
+question admitted between its chunks used to compute those chunks again). There is no
+separate decode phase: a step's batch mixes all of these.
 
 Memory: pages come from the pool; when it runs short, unlocked tree leaves are evicted
 first, then the running request of the lowest priority (the most recently admitted
