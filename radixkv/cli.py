@@ -535,6 +535,10 @@ def demo_chat() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "router"):
+        from radixkv.server.process import exit_with_parent
+
+        exit_with_parent()  # started by launch (tests, benchmarks, --replicas): stop when the launcher is gone
     try:
         commands = {"sim": cmd_sim, "demo": cmd_demo, "serve": cmd_serve, "router": cmd_router, "bench": cmd_bench, "kv-scales": cmd_kv_scales}
         return commands[args.command](args)

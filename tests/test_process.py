@@ -3,10 +3,12 @@ server that loses the race for its port started again on another."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -81,3 +83,64 @@ def test_redis_starts_again_on_another_port_when_its_port_was_taken(taken_port):
         client.close()
     finally:
         server.stop()
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from radixkv.server import process
+    replica, url = process.launch([sys.executable, sys.argv[1]], "/", "replica", timeout=60)
+    router, _ = process.launch([sys.executable, "-m", "radixkv", "router", "--replicas", url], "/health", "router",
+                               timeout=120)
+    print(replica.pid, router.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_radixkv_server_stops_when_the_process_that_launched_it_is_killed(tmp_path):
+    """A benchmark or test killed outright (SIGKILL: no cleanup runs) leaves no radixkv
+    server behind: `radixkv router` (and `serve`) started by launch watch their launcher
+    and shut down once it is gone. Another command launch started is not told to."""
+    import subprocess
+
+    (tmp_path / "replica.py").write_text(SERVER)
+    (tmp_path / "parent.py").write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "replica.py")],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    replica, router = map(int, parent.stdout.readline().split())
+    try:
+        assert _alive(router) and _alive(replica)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 30
+        while _alive(router) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(router)
+        assert _alive(replica)  # not a radixkv command: it does not watch
+    finally:
+        for pid in (replica, router):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_exit_with_parent_reads_and_clears_its_variable(monkeypatch):
+    monkeypatch.delenv(process.PARENT_ENV, raising=False)
+    assert process.exit_with_parent() is None  # not launched: no watcher
+    # launched (here: told its parent is the one it has): a watcher, and the variable gone
+    # from the environment its own children get
+    code = ("import os, time; from radixkv.server import process; w = process.exit_with_parent(poll=0.05); "
+            "time.sleep(0.3); print(w.is_alive(), process.PARENT_ENV in os.environ)")  # fmt: skip
+    import subprocess
+
+    env = {**os.environ, process.PARENT_ENV: str(os.getpid())}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert out.split() == ["True", "False"]

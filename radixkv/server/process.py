@@ -1,6 +1,8 @@
 """Run a server as a child process on a free loopback port: `radixkv serve` for
 examples, tests and benchmarks, or any command that takes ``--host`` and ``--port``;
-and a Redis (or Valkey) server for the KV store's tests and benchmarks.
+and a Redis (or Valkey) server for the KV store's tests and benchmarks. A radixkv
+server started this way stops once the process that started it is gone
+(``exit_with_parent``), even one killed outright.
 
     with ServerProcess("--kv-cache-tokens", "16384") as server:
         RuntimeEndpoint(server.url)
@@ -53,13 +55,40 @@ def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
     )  # fmt: skip
 
     def start(port: int) -> subprocess.Popen:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", PARENT_ENV: str(os.getpid())}  # see exit_with_parent
         return subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                                env=env)  # fmt: skip
 
     proc, port = _start_on_free_port(start, lambda p, port: _ready(p, f"http://127.0.0.1:{port}{ready_path}", timeout),
                                      log, f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})",
                                      name)  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
+
+
+PARENT_ENV = "RADIXKV_PARENT_PID"  # set by launch for its child: the process it must not outlive
+
+
+def exit_with_parent(poll: float = 0.5) -> threading.Thread | None:
+    """In a process ``launch`` started: stop (SIGTERM to itself: a server's graceful
+    shutdown) once the process that launched it is gone, so a benchmark or test killed
+    outright leaves no server behind. Watches for the parent's process id to change
+    (the child is handed to init or a subreaper), which holds whichever of the parent's
+    threads launched it. Takes ``RADIXKV_PARENT_PID`` out of the environment (the
+    process's own children are not its parent's); None, and no thread, where it is not
+    set."""
+    expected = os.environ.pop(PARENT_ENV, None)
+    if not expected or not expected.isdigit():
+        return None
+    parent = int(expected)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def _start_on_free_port(start: Callable[[int], subprocess.Popen], ready: Callable[[subprocess.Popen, int], bool],
