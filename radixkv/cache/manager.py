@@ -177,6 +177,13 @@ class KVCacheManager:
             return 0
         return self.tree.match_prefix(tokens[:-1], namespace, record_stats=False).num_tokens
 
+    def reusable_tokens(self, tokens, recompute_from: int | None = None) -> int:
+        """How many leading positions of ``tokens`` ``admit`` may take from the cache: all
+        but the last (its logits sample the first output token), and none from
+        ``recompute_from`` on (prompt logprobs). Does not mutate."""
+        limit = len(tokens) - 1
+        return limit if recompute_from is None else min(limit, max(0, recompute_from - 1))
+
     def pages_needed(self, seq: SeqKV, count: int) -> int:
         """More pages ``seq`` needs to compute ``count`` more tokens. Does not mutate."""
         return ceil_div(seq.kv_len + count, self.page_size) - len(seq.pages)
@@ -210,7 +217,7 @@ class KVCacheManager:
         node, pages = (m.node if len(m.pages) else None), m.pages
         if self.tiers is not None and recompute_from is None:
             node, pages = self._promote(seq, tokens[:-1], node, pages)
-        keep = len(pages) if recompute_from is None else max(0, recompute_from - 1) // self.page_size
+        keep = len(pages) if recompute_from is None else self.reusable_tokens(tokens, recompute_from) // self.page_size
         if keep < len(pages):
             #   cached  |== kept, locked ==|===== recomputed; the tree's copy unlocked =====|
             pages = pages[:keep]
@@ -696,7 +703,7 @@ class KVCacheManager:
         """
         ps, spec = self.page_size, seq.policy
         first = seq.cached_tokens is None
-        limit = len(tokens) - 1 if recompute_from is None else min(len(tokens) - 1, max(0, recompute_from - 1))
+        limit = self.reusable_tokens(tokens, recompute_from)
         view = None
         if limit >= ps and len(self.views):
             hashes = chain_hashes(tokens, ps, limit)

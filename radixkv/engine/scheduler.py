@@ -183,11 +183,8 @@ class Scheduler:
             req:    [ cached | next page ... same tokens ... | own ]
                              ^ waits while any shared whole page is still to come"""
         end = cached + self.page_size
-        if end > len(req.tokens) - 1:  # its match key is tokens[:-1]: no whole page to gain
-            return False
-        recompute_from = req.params.prompt_logprobs_from  # admit takes no cached page from there on
-        if recompute_from is not None and end > max(0, recompute_from - 1) // self.page_size * self.page_size:
-            return False
+        if end > self.kv.reusable_tokens(req.tokens, req.params.prompt_logprobs_from):
+            return False  # admit would not take that page from the cache: nothing to wait for
         mine = req.tokens[:end]
         return any(o.kv.namespace == req.kv.namespace and o.tokens[:end] == mine for o in computing)
 
