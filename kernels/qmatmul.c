@@ -312,6 +312,7 @@ void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *o
  * of a row updates lane i % 8 of eight sums, y = fma(m, s, fma(d dx, its integer sum, y)),
  * blocks in order; the result is the lanes' sum as lanes8 adds them. */
 #define NT_MAX 4
+#define ROWS_TOGETHER 2  /* rows dot_split takes side by side, at most */
 
 /* the sum of eight lanes v: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)) (hsum8's order) */
 static inline float lanes8(const float *v) {
@@ -440,16 +441,16 @@ static inline __attribute__((always_inline)) void split_group(int type, const ui
 /* The 32-value types, split rows: codes u stand for d u + m (Q4_0: m = -8 d, Q5_0: m = -16 d;
  * Q8_0's codes are signed, m = 0), so sum_j (d u_j + m) dx q_j = d dx sum(u q) + m s. AVX2 takes
  * eight blocks at a time: their integer sums reduced into one vector, scaled by the eight
- * d dx at once, the offsets m s likewise. R rows (row, row + rb, ...; R a constant) go side
- * by side, group by group, so their chains of float steps overlap; each row's steps are its
- * own (the same bits whatever R): out[t * stride + q] for row q and token t. */
+ * d dx at once, the offsets m s likewise. R <= ROWS_TOGETHER rows (row, row + rb, ...; R a
+ * constant) go side by side, group by group, so their chains of float steps overlap; each
+ * row's steps are its own (the same bits whatever R): out[t * stride + q] for row q, token t. */
 static inline __attribute__((always_inline)) void dot_split(int type, const uint8_t *row, int64_t rb, const int R,
                                                             const xrow *xs, const int nt, int64_t nb, float *out,
                                                             int64_t stride) {
     const split_fields f = fields_of(type, nb);
     const float base = type == T_Q5_0 ? -16.0f : type == T_Q4_0 ? -8.0f : 0.0f;
 #ifdef USE_AVX2
-    __m256 acc[2][NT_MAX];
+    __m256 acc[ROWS_TOGETHER][NT_MAX];
     for (int q = 0; q < R; q++)
         for (int t = 0; t < nt; t++) acc[q][t] = _mm256_setzero_ps();
     int64_t i0 = 0;
@@ -632,8 +633,9 @@ static inline __attribute__((always_inline)) void rows_of(int type, const uint8_
                                                           int64_t stride) {
     int64_t q = 0;
     if (is_split(type)) {
-        if (nt <= 2)
-            for (; q + 2 <= nrows; q += 2) dot_split(type, w + q * rb, rb, 2, xs, nt, nb, out + q, stride);
+        if (nt <= 2)  /* more tokens hold more accumulators: one row at a time */
+            for (; q + ROWS_TOGETHER <= nrows; q += ROWS_TOGETHER)
+                dot_split(type, w + q * rb, rb, ROWS_TOGETHER, xs, nt, nb, out + q, stride);
         for (; q < nrows; q++) dot_split(type, w + q * rb, rb, 1, xs, nt, nb, out + q, stride);
         return;
     }
