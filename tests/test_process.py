@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -110,8 +111,6 @@ def test_a_radixkv_server_stops_when_the_process_that_launched_it_is_killed(tmp_
     """A benchmark or test killed outright (SIGKILL: no cleanup runs) leaves no radixkv
     server behind: `radixkv router` (and `serve`) started by launch watch their launcher
     and shut down once it is gone. Another command launch started is not told to."""
-    import subprocess
-
     (tmp_path / "replica.py").write_text(SERVER)
     (tmp_path / "parent.py").write_text(PARENT)
     parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "replica.py")],
@@ -139,8 +138,6 @@ def test_exit_with_parent_reads_and_clears_its_variable(monkeypatch):
     # from the environment its own children get
     code = ("import os, time; from radixkv.server import process; w = process.exit_with_parent(poll=0.05); "
             "time.sleep(0.3); print(w.is_alive(), process.PARENT_ENV in os.environ)")  # fmt: skip
-    import subprocess
-
     env = {**os.environ, process.PARENT_ENV: str(os.getpid())}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
     assert out.split() == ["True", "False"]
