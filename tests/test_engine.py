@@ -388,3 +388,25 @@ def test_the_loading_thread_gives_back_its_openmp_workers():
     before, started, released = counts
     assert started > before  # the region started a worker
     assert released == before  # and it is gone
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_warm_up_runs_a_chunk_and_leaves_nothing_behind(kv_dtype):
+    """Engine.warm_up (what `radixkv serve` runs before it answers /health): a prefill chunk
+    into pages it gives back; nothing cached or counted, and the next request's tokens are
+    those of an engine that never warmed up (its pages' old contents never read)."""
+    prompt = "Write one sentence about the sea."
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    with Engine(kv_cache_tokens=2048, kv_dtype=kv_dtype) as cold:
+        expected = cold.generate(prompt, params).token_ids
+    with Engine(kv_cache_tokens=2048, kv_dtype=kv_dtype) as warm:
+        before = warm.stats()
+        assert warm.warm_up() == 512  # chunked_prefill_size, whole pages
+        assert warm.stats() == before
+        assert warm.generate(prompt, params).token_ids == expected
+        warm.check_integrity()
+    with Engine(kv_cache_tokens=40, kv_dtype=kv_dtype) as tiny:  # 3 pages of 16: what the pool has
+        assert tiny.warm_up() == 48
+        stats = tiny.stats()
+        assert stats["pool"]["free"] == stats["pool"]["pages"] == 3
+        tiny.check_integrity()

@@ -495,6 +495,7 @@ def test_every_config_field_is_a_flag_with_its_default():
     args = build_parser().parse_args(["serve", "--port", "8001", "--no-enable-prefix-cache",
                                       "--chunked-prefill-size", "0", "--api-key", "k"])  # fmt: skip
     assert (args.port, args.enable_prefix_cache, args.chunked_prefill_size, args.api_key) == (8001, False, None, "k")
+    assert args.warmup is True and build_parser().parse_args(["serve", "--no-warmup"]).warmup is False
     help_text = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "--kv-cache-tokens" in help_text.stdout and "--api-key" in help_text.stdout
     bad = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--port", "many"], capture_output=True, text=True)

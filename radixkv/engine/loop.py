@@ -44,6 +44,7 @@ from radixkv.engine.sampling import Sampler, SamplerState
 from radixkv.engine.scheduler import Scheduler
 from radixkv.errors import FieldError
 from radixkv.kernels import get_backend
+from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.model.llama import rerotate_pages
 from radixkv.model.loader import as_dtype, load_model
 from radixkv.model.registry import resolve_model
@@ -411,5 +412,25 @@ class EngineLoop:
     def _check(self) -> None:
         self.kv.check(self.scheduler.owners())
 
+    def _warm_up(self) -> int:
+        """One prefill chunk (``chunked_prefill_size`` tokens, whole pages, at most what the
+        pool has free) through the model into pages taken and given back here: the first
+        real request then finds the threads, buffers and weights it needs already there.
+        Nothing reaches the tree, the counters or the events. Returns the tokens run (0
+        when the pool has no page free, or requests are queued: they warm it themselves)."""
+        if self.scheduler.has_work():
+            return 0
+        ps = self.config.page_size
+        pages = min((self.config.chunked_prefill_size or self.config.max_batch_tokens) // ps, self.pool.num_free())
+        if pages < 1:
+            return 0
+        table = self.pool.alloc(pages)
+        try:
+            batch = ForwardBatch.build([SeqInput([0] * (pages * ps), 0, table)], ps, self.config.device)
+            (self.model.forward if self.tp is None else self.tp.forward)(batch, self.pool, self.backend)
+        finally:
+            self.pool.free(table)
+        return pages * ps
+
     # what a Query may name; "flush:<tiers>" per name in FLUSH_TIERS
-    QUERIES = {"stats": stats, "check": _check, "kv_blocks": _kv_blocks, **{f"flush:{t}": lambda self, t=t: self._flush(t) for t in FLUSH_TIERS}}
+    QUERIES = {"stats": stats, "check": _check, "kv_blocks": _kv_blocks, "warm_up": _warm_up, **{f"flush:{t}": lambda self, t=t: self._flush(t) for t in FLUSH_TIERS}}

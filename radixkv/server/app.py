@@ -92,6 +92,7 @@ class ServerConfig:
     cache_salt_header_only: bool = False  # refuse a body cache_salt: only a gateway's X-Cache-Salt counts
     graceful_shutdown_seconds: float = 10.0
     log_level: str = "info"
+    warmup: bool = True  # a prefill chunk through the model before serving (Engine.warm_up)
     stats_interval: float = 10.0  # seconds between stats lines in the log (radixkv.server.ops); 0: none
     access_log: str | None = None  # a file taking one JSON line per request ("-": stderr); None: none
     # CORS (browsers): origins whose pages may call the server ("*": any); none: no CORS

@@ -85,6 +85,8 @@ HELP = {
                        "default none: no CORS headers",
     "allowed_methods": "CORS: methods a preflight may ask for ('*': those the server serves)",
     "allowed_headers": "CORS: request headers a preflight may ask for ('*': any, Authorization included)",
+    "warmup": "before serving, run one prefill chunk of placeholder tokens through the model (discarded, nothing "
+              "cached), so the first request pays no first-use costs; --no-warmup skips it",
     "stats_interval": "seconds between the stats lines in the log (throughput, running/waiting, hit rate, pool "
                       "usage); 0: none",
     "access_log": "FILE (appended) or '-' (stderr): one JSON line per request (time, method, path, status, "
@@ -275,6 +277,9 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = Engine(engine_config.model, **settings)
     engine.grammar.prepare()  # not in the first constrained request: it holds the GIL for ~0.5 s
     loaded = time.perf_counter() - started
+    if server_config.warmup:  # before /health answers: the first request finds the engine warm
+        started = time.perf_counter()
+        log.info("warm-up: %d tokens in %.2f s", engine.warm_up(), time.perf_counter() - started)
     app = Server(engine, server_config)
     for line in ops.summary(engine, plan, app.model_name, server_config.host, server_config.port, loaded):
         log.info("%s", line)
