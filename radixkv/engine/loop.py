@@ -414,10 +414,11 @@ class EngineLoop:
 
     def _warm_up(self) -> int:
         """One prefill chunk (``chunked_prefill_size`` tokens, whole pages, at most what the
-        pool has free and the context holds) through the model into pages taken and given back here: the first
-        real request then finds the threads, buffers and weights it needs already there.
-        Nothing reaches the tree, the counters or the events. Returns the tokens run (0
-        when the pool has no page free, or requests are queued: they warm it themselves)."""
+        pool has free and the context holds) through the model into pages taken and given
+        back here: the first real request then finds the threads, buffers and weights it
+        needs already there. Nothing reaches the tree, the counters or the events. Returns
+        the tokens run (0 when the pool has no page free, or requests are queued: they warm
+        it themselves)."""
         if self.scheduler.has_work():
             return 0
         ps = self.config.page_size

@@ -70,7 +70,7 @@ class Close:
 
 @dataclass(frozen=True)
 class Query:
-    what: str  # a name in EngineLoop.QUERIES: "stats" | "check" | "kv_blocks" | "warm_up" | "flush:<tiers>"
+    what: str  # a name in EngineLoop.QUERIES (its keys are the list)
     qid: int
 
 

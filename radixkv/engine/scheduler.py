@@ -134,6 +134,8 @@ class Scheduler:
         return plan
 
     def _admit(self, plan: list[ScheduledSeq], budget: int, make_room=None) -> None:
+        if not self.waiting:  # most decode steps: nothing to order, no running request to scan
+            return
         order = list(self.waiting)
         cached: dict[int, int] = {}
         if self.kv.tree is not None and len(order) <= CACHE_AWARE_QUEUE_LIMIT:

@@ -278,8 +278,8 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine.grammar.prepare()  # not in the first constrained request: it holds the GIL for ~0.5 s
     loaded = time.perf_counter() - started
     if server_config.warmup:  # before /health answers: the first request finds the engine warm
-        started = time.perf_counter()
-        log.info("warm-up: %d tokens in %.2f s", engine.warm_up(), time.perf_counter() - started)
+        warming = time.perf_counter()
+        log.info("warm-up: %d tokens in %.2f s", engine.warm_up(), time.perf_counter() - warming)
     app = Server(engine, server_config)
     for line in ops.summary(engine, plan, app.model_name, server_config.host, server_config.port, loaded):
         log.info("%s", line)
