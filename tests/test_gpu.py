@@ -101,3 +101,91 @@ def test_bfloat16_backends_stay_close_to_float32(backend, prompts):
     for hi, lo in zip(logits[torch.float32][:2], logits[torch.bfloat16][:2]):
         assert torch.isfinite(lo).all()
         assert torch.nn.functional.cosine_similarity(hi, lo, dim=-1).min() > 0.99
+
+
+def agreeing(outs, ref) -> int:
+    """Tokens of ``outs`` equal to ``ref``'s before each chat's first difference."""
+    total = 0
+    for o, r in zip(outs, ref):
+        for a, b in zip(o, r):
+            if a != b:
+                break
+            total += 1
+    return total
+
+
+def test_native_weights_on_the_gpu_compute_the_dequantized_product():
+    """The packed model on CUDA (Triton products on the GGUF blocks, never expanded)
+    against the expanded model on the same GPU: in float32 the same function up to
+    summation order; in bfloat16 close; the packed matrices take a third of the bytes."""
+    from radixkv.cache import KVPool, PoolConfig
+    from radixkv.kernels import get_backend
+    from radixkv.model import load_model
+    from radixkv.model.batch import ForwardBatch, SeqInput
+
+    with Engine(kv_cache_tokens=256) as cpu:
+        prompt = cpu.tokenizer.encode(cpu.render_chat(CHATS[0]))
+    dense = load_model(dtype=torch.float32, device="cuda")
+    first = {}
+    for name, model in [("dense", dense), ("native32", load_model(dtype=torch.float32, device="cuda", native=True)),
+                        ("native16", load_model(dtype=torch.bfloat16, device="cuda", native=True))]:  # fmt: skip
+        c = model.config
+        kv = model.dtype
+        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, kv_dtype=kv, device="cuda", num_pages=64))
+        table = pool.alloc(-(-len(prompt) // 16))
+        first[name] = model.forward(ForwardBatch.build([SeqInput(prompt, 0, table)], 16, "cuda"), pool,
+                                    get_backend("triton"), all_logits=True)  # fmt: skip
+        pool.decref(table)
+        pool.check_integrity()
+        if name != "dense":
+            summary = model.weights_summary()
+            assert summary["mode"] == "native" and summary["bytes"] < dense.weights_summary()["bytes"] / 2.5
+    ref = first["dense"]
+    rel32 = ((first["native32"] - ref).norm() / ref.norm()).item()
+    assert rel32 < 1e-4, rel32
+    assert torch.isfinite(first["native16"]).all()
+    assert torch.nn.functional.cosine_similarity(first["native16"], ref, dim=-1).min() > 0.99
+    assert (first["native32"].argmax(-1) == ref.argmax(-1)).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_weights_greedy_on_the_gpu(dtype, prompts, reference):
+    """Engine with native weights on CUDA: served from the prefix cache the same tokens;
+    float32 greedy agrees with transformers' float32 (printed; the summation order differs
+    from cuBLAS, so ties may turn)."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=STEPS)
+    with Engine(device="cuda", dtype=dtype, weights="native", attention_backend="triton", kv_cache_tokens=8192) as e:
+        assert e.stats()["weights"]["mode"] == "native"
+        first = e.generate(prompts, greedy)
+        again = e.generate(prompts, greedy)
+        e.check_integrity()
+    assert [o.error for o in first + again] == [None] * 2 * len(prompts)
+    outs = [o.token_ids for o in first]
+    agree, total = agreeing(outs, reference), sum(len(r) for r in reference)
+    print(f"native {dtype} on {torch.cuda.get_device_name()}: {agree}/{total} tokens agree with transformers float32")
+    assert all(o.cached_tokens > 0 for o in again)
+    if dtype == "float32":
+        assert agree >= 0.9 * total
+        assert [o.token_ids for o in again] == outs
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_kv_on_the_gpu_is_exact_within_its_format(kv_dtype, prompts, reference):
+    """Triton over int8 / int4 pages in the engine on CUDA: from the prefix cache and alone
+    the same greedy tokens as batched without a cache; close to the float32 cache."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=STEPS)
+    settings = dict(device="cuda", dtype="float32", kv_dtype=kv_dtype, attention_backend="triton", kv_cache_tokens=8192)
+    with Engine(**settings, enable_prefix_cache=False) as cold:
+        batched = [o.token_ids for o in cold.generate(prompts, greedy)]
+        alone = [cold.generate(p, greedy).token_ids for p in prompts[:2]]
+        cold.check_integrity()
+    with Engine(**settings) as warm:
+        warm.generate(prompts, greedy)
+        cached = warm.generate(prompts, greedy)
+        warm.check_integrity()
+    assert alone == batched[:2]
+    assert all(o.cached_tokens > 0 for o in cached)
+    assert [o.token_ids for o in cached] == batched
+    agree, total = agreeing(batched, reference), sum(len(r) for r in reference)
+    print(f"{kv_dtype} KV on {torch.cuda.get_device_name()}: {agree}/{total} tokens agree with float32 (transformers)")
+    assert agree >= (0.5 if kv_dtype == "int8" else 0.25) * total

@@ -351,7 +351,7 @@ def test_auto_runs_the_quantized_gguf_natively_and_fp32_stays_exact():
 @pytest.mark.parametrize("settings, match", [
     ({"weights": "int4"}, "weights must be one of auto, native, fp32, bf16, fp16"),
     ({"weights": "native", "dtype": "bfloat16"}, "weights native computes in float32 on the CPU"),
-    ({"weights": "native", "device": "cuda"}, "weights native computes in float32 on the CPU"),
+    ({"weights": "native", "device": "mps"}, "float32, bfloat16, float16 on a CUDA device, not float32 on mps"),
     ({"weights": "native", "tp": 3}, "weights native does not support tp > 1"),
     ({"weights": "fp32", "dtype": "bfloat16"}, "weights fp32 expands the weights to float32, but dtype is bfloat16"),
 ])  # fmt: skip

@@ -9,7 +9,7 @@ from radixkv.cache.formats import KVFormat, kv_format
 from radixkv.cache.pins import MAX_TTL
 from radixkv.cache.store import check_store_spec
 from radixkv.cache.tiers import WRITE_POLICIES
-from radixkv.model.loader import as_dtype, has_native_weights
+from radixkv.model.loader import as_dtype, check_native, has_native_weights
 from radixkv.model.registry import DEFAULT_MODEL
 from radixkv.validate import check_float, check_int, check_optional_int
 
@@ -39,9 +39,10 @@ class EngineConfig:
     kv_memory_share: float | None = None  # (0, 0.95]; None: DEFAULT_KV_MEMORY_SHARE unless a size is given
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
-    # weights: native (a GGUF's quantized blocks read in place, float32 activations, CPU), fp32 / bf16 /
-    # fp16 (expanded to that dtype: sets dtype; fp32 is the exact mode), auto (native for a quantized
-    # GGUF when dtype is float32 on the CPU at tp 1, else expanded to dtype)
+    # weights: native (a GGUF's quantized blocks read in place; activations float32 on the CPU, float32,
+    # bfloat16 or float16 on CUDA), fp32 / bf16 / fp16 (expanded to that dtype: sets dtype; fp32 is the
+    # exact mode), auto (native for a quantized GGUF when dtype is float32 on the CPU at tp 1, else
+    # expanded to dtype)
     weights: str = "auto"
     kv_dtype: str = "auto"  # the KV cache's format; auto: the weights' dtype
     kv_scales: str | None = None  # fp8 KV: a JSON scale file, or "unity"; no other format takes one
@@ -138,9 +139,7 @@ class EngineConfig:
                                  "give one of them")  # fmt: skip
             object.__setattr__(self, "dtype", dense)  # the default float32 follows the weights
         if self.weights == "native":
-            if self.dtype != "float32" or not self.device.startswith("cpu"):
-                raise ValueError(f"weights native computes in float32 on the CPU (dtype {self.dtype}, device "
-                                 f"{self.device}): use weights fp32, bf16 or fp16 there")  # fmt: skip
+            check_native(self.device, as_dtype(self.dtype))
             if self.tp > 1:
                 raise ValueError("weights native does not support tp > 1 yet (the ranks split expanded weights): "
                                  "use weights fp32")  # fmt: skip

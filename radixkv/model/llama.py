@@ -46,7 +46,15 @@ class Stacked:
         return torch.cat([_linear(x, p, dense=dense) for p in self.parts], dim=-1)
 
 
-Matrix = torch.Tensor | PackedMatrix | Stacked  # a weight matrix [out, in] as _linear takes it
+# a weight matrix [out, in] as _linear takes it; on a CUDA device a packed one is a TritonPackedMatrix
+# (radixkv.kernels.triton_weights: the same interface as PackedMatrix, imported only there)
+Matrix = torch.Tensor | PackedMatrix | Stacked
+
+
+def _packed(m) -> bool:
+    """Whether ``m`` is one packed matrix (on the CPU or a CUDA device), not a tensor or a
+    ``Stacked`` of parts."""
+    return not isinstance(m, (torch.Tensor, Stacked))
 
 
 def stack_rows(parts: list) -> Matrix:
@@ -54,8 +62,8 @@ def stack_rows(parts: list) -> Matrix:
     type, else a ``Stacked`` of them."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(isinstance(p, PackedMatrix) for p in parts):
-        packed = PackedMatrix.stack(parts)
+    if all(_packed(p) and type(p) is type(parts[0]) for p in parts):
+        packed = type(parts[0]).stack(parts)
         if packed is not None:
             return packed
     return Stacked(parts)
@@ -95,15 +103,17 @@ class LlamaModel:
         self.dtype = embed.dtype if isinstance(embed, torch.Tensor) else norm.dtype
         self.device = norm.device
         self.native = any(":" in name for name, _ in self.tensors())  # a packed matrix, alone or stacked
+        # on the CPU the steps between products run in C; on CUDA the dense loop's torch steps around Triton products
+        native_cpu = self.native and self.device.type == "cpu"
         # Tensor parallelism (radixkv.model.tp): sums a partial ``[T, hidden]`` in place
         # across the ranks, after o_proj and after down_proj; None: the whole model here.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by local (sliding layers' own base)
         self._act = _ACTIVATIONS[config.hidden_act]
-        self._steps = Steps() if self.native else None  # a native model's elementwise steps, in C
+        self._steps = Steps() if native_cpu else None  # a native model's elementwise steps, in C
         # decode batches run each layer's stretch between attentions in one C call, on packed matrices alone
         self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_decode)
-        self._one_call_layers = (self.native and all(isinstance(getattr(w, n), PackedMatrix)
+        self._one_call_layers = (native_cpu and all(isinstance(getattr(w, n), PackedMatrix)
                                          for w in layers for n in ("qkv", "o", "gate_up", "down")))  # fmt: skip
 
     def _matrices(self) -> list[tuple[str, Matrix]]:
@@ -123,7 +133,7 @@ class LlamaModel:
         for name, m in self._matrices():
             for j, part in enumerate(m.parts if isinstance(m, Stacked) else [m]):
                 label = f"{name}.{j}" if isinstance(m, Stacked) else name
-                out.append((f"{label}:{part.type_name}", part.data) if isinstance(part, PackedMatrix) else (label, part))
+                out.append((f"{label}:{part.type_name}", part.data) if _packed(part) else (label, part))
         return out
 
     def weights_summary(self) -> dict:
@@ -201,14 +211,14 @@ class LlamaModel:
         backend = backend or get_backend("torch")
         backend.plan(batch)
         cos, sin = rope = self._rope(batch.positions)
-        x = _embed(batch.input_ids, self.embed)
+        x = _embed(batch.input_ids, self.embed).to(self.dtype)
         if cfg.embed_scale is not None:  # as HF: the scale rounded to float32, then to the activation dtype
             x = x * torch.tensor(cfg.embed_scale).to(x.dtype)
         head = _linear
         if self._one_call_layers and all(n == 1 for n in batch.qo_lens):
             x = self._native_decode_layers(x, batch, pool, backend, cos, sin)
             head = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
-        elif self.native:
+        elif self._steps is not None:  # native on the CPU
             mm = _routed_linear(batch)
             x = self._native_layers(x, batch, pool, backend, cos, sin, mm)
             head = mm if all_logits else partial(_linear, dense=False)  # a row per sequence: the kernel
@@ -226,7 +236,8 @@ class LlamaModel:
         return _rms_norm(x, weight, self.config.rms_norm_eps, upcast=bool(self.config.norm_offset))
 
     def _dense_layers(self, x, batch, pool, backend, rope, local_rope) -> torch.Tensor:
-        """The layers, step by step as HF transformers computes them (the exact mode).
+        """The layers, step by step as HF transformers computes them (the exact mode; a
+        native model on a CUDA device too, its products in Triton on the packed blocks).
         ``rope``/``local_rope``: cos and sin of the global and the sliding layers."""
         cfg, reduce, norm = self.config, self.all_reduce, self._norm
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -397,7 +408,7 @@ def _paths_agree(w: Matrix) -> bool:
 
 
 def _embed(ids: torch.Tensor, table: Matrix) -> torch.Tensor:
-    if isinstance(table, PackedMatrix):
+    if _packed(table):
         return table.rows(ids)
     return F.embedding(ids, table)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -79,20 +79,25 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *tail).swapaxes(1, 2).reshape(rows, *tail)
 
 
-def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelConfig, dict]:
+def load_gguf_state_dict(path: str | Path, native: bool = False, device: str = "cpu") -> tuple[ModelConfig, dict]:
     """Config and HF-named tensors of a GGUF file: float32 tensors, or with ``native``
     the matrices in a quantized type the kernels read (``radixkv.kernels.weights.TYPES``)
     as ``PackedMatrix`` (their blocks unchanged, rows reordered where llama.cpp permuted
-    them) and the rest as float32. Raises ModelLoadError for an unsupported architecture
-    or quantization type. The file's mapping is released afterwards: every tensor kept is
-    a copy."""
+    them; on a CUDA ``device`` a ``TritonPackedMatrix`` there, the same values in planes
+    its Triton kernel reads) and the rest as float32 on the CPU. Raises ModelLoadError
+    for an unsupported architecture or quantization type. The file's mapping is released
+    afterwards: every tensor kept is a copy."""
     from gguf.quants import dequantize
 
-    packed_types = {}
+    packed_types, pack = {}, None
     if native:
         from radixkv.kernels.weights import TYPES, PackedMatrix
 
-        packed_types = TYPES
+        packed_types, pack = TYPES, PackedMatrix
+        if device.startswith("cuda"):
+            from radixkv.kernels.triton_weights import TritonPackedMatrix
+
+            pack = partial(TritonPackedMatrix.from_blocks, device=device)
     reader = open_gguf(str(path))
     config = _gguf_config(path)
     layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(config.architecture, {})}
@@ -125,7 +130,7 @@ def load_gguf_state_dict(path: str | Path, native: bool = False) -> tuple[ModelC
         # the file is mapped read-only and unmapped below: copy what still views it (a packed matrix,
         # an F32 tensor), take the rest (dequantize's own arrays) as they are
         w = torch.from_numpy(np.array(w, order="C") if np.may_share_memory(w, t.data) else np.ascontiguousarray(w))
-        sd[name] = PackedMatrix(int(t.tensor_type), w, shape[1]) if w.dtype == torch.uint8 else w
+        sd[name] = pack(int(t.tensor_type), w, shape[1]) if w.dtype == torch.uint8 else w
     _check_complete(sd, config, path)
     del reader, t
     open_gguf.cache_clear()  # unmap the file: its pages would count in this process's memory
@@ -210,9 +215,9 @@ def load_config(source: ModelSource) -> ModelConfig:
         raise ModelLoadError(f"{source.path}/config.json is missing or incomplete: {e}") from None
 
 
-def load_state_dict(source: ModelSource, native: bool = False) -> tuple[ModelConfig, dict]:
+def load_state_dict(source: ModelSource, native: bool = False, device: str = "cpu") -> tuple[ModelConfig, dict]:
     if source.format == "gguf":
-        return load_gguf_state_dict(source.path, native)
+        return load_gguf_state_dict(source.path, native, device)
     return load_hf_state_dict(source.path)
 
 
@@ -235,16 +240,17 @@ def load_model(
     native: bool = False,
 ) -> LlamaModel:
     """Resolve ``model`` (a registered name, a .gguf file or an HF directory) and build
-    it in ``dtype`` on ``device``; with ``native`` (a quantized GGUF, float32, the CPU)
-    its quantized matrices stay in their blocks (``radixkv.kernels.weights``). Weights are
-    read-only during inference, so loads of the same file and settings share one model."""
+    it in ``dtype`` on ``device``; with ``native`` (a quantized GGUF; float32 on the CPU,
+    float32, bfloat16 or float16 on a CUDA device) its quantized matrices stay in their
+    blocks (``radixkv.kernels.weights``; on CUDA ``radixkv.kernels.triton_weights``).
+    Weights are read-only during inference, so loads of the same file and settings share
+    one model."""
     source = resolve_model(model)
     dtype = as_dtype(dtype)
     if native:
         if source.format != "gguf":
             raise ValueError(f"weights native: {source.path} is not a GGUF file (its weights are not quantized blocks)")
-        if str(device) != "cpu" or dtype != torch.float32:
-            raise ValueError(f"weights native computes in float32 on the CPU, not {dtype} on {device}")
+        check_native(str(device), dtype)
         arch = load_config(source).architecture
         if arch not in NATIVE_ARCHITECTURES:
             raise ValueError(f"weights native does not run {arch} models yet (only {', '.join(NATIVE_ARCHITECTURES)}): "
@@ -252,9 +258,23 @@ def load_model(
     return _load(source, dtype, str(device), native, source.path.stat().st_mtime_ns)
 
 
+NATIVE_DTYPES = {"cpu": (torch.float32,), "cuda": (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def check_native(device: str, dtype: torch.dtype) -> None:
+    """ValueError unless native weights compute in ``dtype`` on ``device``: float32 on
+    the CPU (the C kernels), float32, bfloat16 or float16 on a CUDA device (Triton)."""
+    kind = device.split(":")[0]
+    allowed = NATIVE_DTYPES.get(kind, ())
+    if dtype not in allowed:
+        names = lambda ds: ", ".join(str(d).removeprefix("torch.") for d in ds)  # noqa: E731
+        raise ValueError(f"weights native computes in {names(NATIVE_DTYPES['cpu'])} on the CPU and in "
+                         f"{names(NATIVE_DTYPES['cuda'])} on a CUDA device, not {names([dtype])} on {device}")  # fmt: skip
+
+
 @lru_cache(maxsize=2)
 def _load(source: ModelSource, dtype: torch.dtype, device: str, native: bool, _mtime: int) -> LlamaModel:
-    config, sd = load_state_dict(source, native)
+    config, sd = load_state_dict(source, native, device)
     for k, v in sd.items():  # one tensor at a time: never two copies of the whole model
         if isinstance(v, torch.Tensor):
             sd[k] = v.to(device=device, dtype=dtype)
