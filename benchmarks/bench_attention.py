@@ -10,6 +10,10 @@ scattered over the pool:
   (``dst.copy_(src)`` of a 1 GiB buffer, read + write bytes counted).
 - extend: 8 sequences with 512 new tokens each on 4096 cached; time per batch and its
   ratio to flashinfer's.
+- long decode by KV format: 8 sequences of 32,768 tokens over bf16 pages and over int8
+  pages (one byte a value plus a scale byte per token and KV head, stored through
+  ``KVPool.store_kv`` as the engine stores them); time per step and int8's speed-up over
+  the same backend on bf16 pages (issue 15's GPU target: triton int8 >= 1.3x bf16).
 
 Each backend is planned once per problem, then ``forward`` runs one layer over and over
 (the store of the new K/V into the pool is part of it); CUDA events, 3 warm-up calls,
@@ -33,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_result  # noqa: E402
+from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.cache.formats import KVView, kv_format  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
@@ -41,6 +46,8 @@ BACKENDS = ("torch", "triton", "flashinfer")
 HQ, HKV, DIM, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 DECODE = {"batch": 32, "cached": 8191, "new": 1}
 EXTEND = {"batch": 8, "cached": 4096, "new": 512}
+LONG_DECODE = {"batch": 8, "cached": 32767, "new": 1}
+LONG_FORMATS = ("bf16", "int8")
 COPY_BYTES = 1 << 30
 WARMUP = 3
 
@@ -70,21 +77,31 @@ class Problem:
     """One batch of ``batch`` sequences, each ``new`` tokens on ``cached`` tokens already in
     the pool; page ids shuffled so no sequence's pages are contiguous."""
 
-    def __init__(self, batch: int, cached: int, new: int, seed: int = 0):
+    def __init__(self, batch: int, cached: int, new: int, seed: int = 0, kv_dtype: str | None = None):
         g = torch.Generator().manual_seed(seed)
         per_seq = -(-(cached + new) // PAGE)
         num_pages = batch * per_seq
         order = torch.randperm(num_pages, generator=g).numpy().astype(np.int32)
         seqs = [SeqInput([0] * new, cached, order[i * per_seq : (i + 1) * per_seq]) for i in range(batch)]
         self.batch = ForwardBatch.build(seqs, PAGE, device="cuda")
-        self.k_cache = torch.randn(num_pages, PAGE, HKV, DIM, dtype=DTYPE, device="cuda")
-        self.v_cache = torch.randn_like(self.k_cache)
-        self.kv = KVView(self.k_cache, self.v_cache, kv_format(DTYPE))  # the pool's view of one layer
+        if kv_dtype is None:
+            self.k_cache = torch.randn(num_pages, PAGE, HKV, DIM, dtype=DTYPE, device="cuda")
+            self.v_cache = torch.randn_like(self.k_cache)
+            self.kv = KVView(self.k_cache, self.v_cache, kv_format(DTYPE))  # the pool's view of one layer
+            stored = 2 * self.k_cache.element_size() * HKV * DIM
+        else:  # through a pool of that format, a sequence at a time, as the engine stores K/V
+            pool = KVPool(PoolConfig(1, HKV, DIM, PAGE, kv_dtype=kv_dtype, num_pages=num_pages, device="cuda"))
+            for i, s in enumerate(seqs):
+                slots = pool.slots(order[i * per_seq : (i + 1) * per_seq], 0, cached + new)
+                kv = torch.randn(2, cached + new, HKV, DIM, dtype=DTYPE, device="cuda")
+                pool.store_kv(0, kv[0], kv[1], slots)
+            self.kv = pool.view(0)
+            stored = pool.config.kv_dtype.bytes_per_page(1, PAGE, HKV, DIM) // PAGE
         t = self.batch.num_tokens
         self.q = torch.randn(t, HQ, DIM, dtype=DTYPE, device="cuda")
         self.k = torch.randn(t, HKV, DIM, dtype=DTYPE, device="cuda")
         self.v = torch.randn(t, HKV, DIM, dtype=DTYPE, device="cuda")
-        self.kv_bytes = 2 * sum(self.batch.seq_lens) * HKV * DIM * self.k_cache.element_size()
+        self.kv_bytes = sum(self.batch.seq_lens) * stored  # K and V (and their scales) read once
         # multiply-adds of QK^T and PV over the causal pattern, 2 flops each
         pairs = sum(sum(range(s - n + 1, s + 1)) for n, s in zip(self.batch.qo_lens, self.batch.seq_lens))
         self.flops = 4 * HQ * DIM * pairs
@@ -93,7 +110,7 @@ class Problem:
 def run(name: str, p: Problem, repeat: int):
     """``(ms, output)`` for one backend on ``p``, or ``(None, reason)`` when it cannot run."""
     try:
-        impl = get_backend(name)
+        impl = get_backend(name, "cuda", p.kv.format.dtype)
     except ValueError:
         return None, "not registered"
     except Exception as e:  # an optional dependency missing, no GPU support, ...
@@ -184,9 +201,37 @@ def main() -> int:
         rows.append({"case": "extend", "backend": n, "ms": ms, "tflop_s": tflops,
                      "time_vs_flashinfer": ratio, "max_abs_diff_vs_torch": d})  # fmt: skip
 
+    del p, results, ref
+    torch.cuda.empty_cache()
+
+    # long decode by KV format ------------------------------------------------------------
+    ctx = LONG_DECODE["cached"] + LONG_DECODE["new"]
+    print(f"\nlong decode: {LONG_DECODE['batch']} seqs x {ctx} tokens, by KV format")
+    print(f"{'format':<8}{'backend':<12}{'ms':>9}{'KV GB/s':>10}{'x bf16':>9}{'max|d| vs torch':>17}")
+    base: dict[str, float] = {}
+    for fmt_name in LONG_FORMATS:
+        p = Problem(**LONG_DECODE, kv_dtype=fmt_name)
+        results = {n: run(n, p, args.repeat) for n in names}
+        ref = results.get("torch", (None, None))
+        ref = ref[1] if ref[0] is not None else None
+        for n, (ms, out) in results.items():
+            if ms is None:
+                print(f"{fmt_name:<8}{n:<12}  skipped: {out}")
+                rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "skipped": out})
+                continue
+            base.setdefault(n, ms) if fmt_name == "bf16" else None
+            speedup = base[n] / ms if n in base else None
+            gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
+            d = max_diff(out, ref)
+            print(f"{fmt_name:<8}{n:<12}{ms:>9.3f}{gb_s:>10,.0f}{fmt(speedup, '.2f', 8)}x {fmt(d, '.2e', 16)}")
+            rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "ms": ms, "kv_gb_s": gb_s,
+                         "speedup_vs_bf16": speedup, "max_abs_diff_vs_torch": d})  # fmt: skip
+        del p, results, ref
+        torch.cuda.empty_cache()
+
     write_result(
         args.json, rows, device=device, torch=torch.__version__, flashinfer=fi_version, copy_gb_s=copy_gb_s,
-        dtype="bfloat16", heads={"q": HQ, "kv": HKV}, head_dim=DIM, page_size=PAGE, decode=DECODE, extend=EXTEND,
+        dtype="bfloat16", heads={"q": HQ, "kv": HKV}, head_dim=DIM, page_size=PAGE, decode=DECODE, extend=EXTEND, long_decode=LONG_DECODE,
         repeat=args.repeat, warmup=WARMUP,
     )  # fmt: skip
     return 0

@@ -13,7 +13,12 @@
    transformers on the same GPU and dtype, same prompts, its own KV cache (``generate``
    for decode, one forward for prefill), measured in the same run.
 
-    python benchmarks/bench_gpu_model.py [--json benchmarks/out/bench_gpu_model.json] [--quick]
+``--configs`` picks what runs instead of every backend and dtype: comma-separated
+``backend:dtype[:weights[:kv_dtype]]`` (``triton:bfloat16:native``: the GGUF's packed
+blocks multiplied by Triton; ``triton:float32:auto:int8``: int8 KV pages), each through
+fidelity and speed; transformers runs in every dtype named, as the speed peer.
+
+    python benchmarks/bench_gpu_model.py [--json benchmarks/out/bench_gpu_model.json] [--quick] [--configs ...]
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ def main() -> int:
     ap.add_argument("--json", default="benchmarks/out/bench_gpu_model.json")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one repeat, batch-64 decode and prefill only in bf16")
+    ap.add_argument("--configs", default=None, help="backend:dtype[:weights[:kv_dtype]],... (default: every "
+                    "backend in float32, bfloat16 and float16)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu_model.py needs a CUDA GPU; nothing measured.")
@@ -107,10 +114,16 @@ def main() -> int:
     total = sum(len(r) for r in ref)
     fidelity = []
     greedy = SamplingParams(temperature=0, max_new_tokens=FIDELITY_STEPS)
-    combos = [(b, d) for d in ("float32", "bfloat16", "float16") for b in backends() if not (b == "flashinfer" and d == "float32")]
-    for name, dtype in combos:
+    if args.configs:
+        combos = [tuple((c.split(":") + ["auto", "auto"])[:4]) for c in args.configs.split(",") if c]
+    else:
+        combos = [(b, d, "auto", "auto") for d in ("float32", "bfloat16", "float16") for b in backends()
+                  if not (b == "flashinfer" and d == "float32")]  # fmt: skip
+    for name, dtype, weights, kv in combos:
+        label = {"backend": name, "dtype": dtype, "weights": weights, "kv_dtype": kv}
         try:
-            with Engine(device="cuda", dtype=dtype, attention_backend=name, kv_cache_tokens=8192) as e:
+            with Engine(device="cuda", dtype=dtype, attention_backend=name, kv_cache_tokens=8192, weights=weights,
+                        kv_dtype=kv) as e:  # fmt: skip
                 results = e.generate(prompts, greedy)
                 e.check_integrity()
             errors = [o.error for o in results if o.error]
@@ -118,10 +131,10 @@ def main() -> int:
                 raise RuntimeError(errors[0])
             outs = [o.token_ids for o in results]
         except Exception as exc:  # a backend that fails is a finding, not a crash of the run
-            fidelity.append({"backend": name, "dtype": dtype, "error": f"{type(exc).__name__}: {exc}"})
+            fidelity.append({**label, "error": f"{type(exc).__name__}: {exc}"})
             continue
         agree = sum(agreement(o, r) for o, r in zip(outs, ref))
-        fidelity.append({"backend": name, "dtype": dtype, "agree_tokens": agree, "total_tokens": total,
+        fidelity.append({**label, "agree_tokens": agree, "total_tokens": total,
                          "exact_chats": sum(o == r for o, r in zip(outs, ref))})  # fmt: skip
         print("fidelity", fidelity[-1], flush=True)
 
@@ -129,13 +142,18 @@ def main() -> int:
     speed = []
     dtypes = ("bfloat16",) if args.quick else ("bfloat16", "float32")
     decode_batches = (64,) if args.quick else (1, 64)
+    if args.configs:
+        dtypes = tuple(dict.fromkeys(d for _, d, _, _ in combos))
     for dtype in dtypes:
-        for name in backends() + ["transformers"]:
-            if name == "flashinfer" and dtype == "float32":
-                continue
-            row = {"system": name, "dtype": dtype}
+        if args.configs:
+            systems = [c for c in combos if c[1] == dtype] + [("transformers", dtype, "auto", "auto")]
+        else:
+            systems = [(n, dtype, "auto", "auto") for n in backends() + ["transformers"]
+                       if not (n == "flashinfer" and dtype == "float32")]  # fmt: skip
+        for name, _, weights, kv in systems:
+            row = {"system": name, "dtype": dtype, "weights": weights, "kv_dtype": kv}
             try:
-                runner = HFRunner(dtype) if name == "transformers" else EngineRunner(name, dtype)
+                runner = HFRunner(dtype) if name == "transformers" else EngineRunner(name, dtype, weights, kv)
                 for b in decode_batches:
                     ps = rng.integers(100, 49000, (b, DECODE_PROMPT)).tolist()
                     runner.decode(ps, DECODE_NEW)  # warm-up (kernels compiled, plans made)
@@ -148,6 +166,7 @@ def main() -> int:
                 runner.decode([long], 1)
                 times = [runner.decode([rng.integers(100, 49000, PREFILL).tolist()], 1) for _ in range(repeat)]
                 row["prefill_4k_tok_s"] = PREFILL / statistics.median(times)
+                row["weight_bytes"] = runner.weight_bytes()
                 runner.close()
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -159,29 +178,35 @@ def main() -> int:
     print(f"{device}, torch {torch.__version__}, triton {_version('triton')}, flashinfer {_version('flashinfer-python')}, "
           f"transformers {_version('transformers')}")  # fmt: skip
     print(f"\nfidelity: {len(CHATS)} chats x {FIDELITY_STEPS} greedy tokens vs transformers float32 on the GPU")
-    print(f"{'backend':<12}{'dtype':<10}{'agree':>12}{'exact chats':>13}")
+    print(f"{'backend':<12}{'dtype':<10}{'weights':<8}{'kv':<6}{'agree':>12}{'exact chats':>13}")
     for r in fidelity:
+        head = f"{r['backend']:<12}{r['dtype']:<10}{r['weights']:<8}{r['kv_dtype']:<6}"
         if "error" in r:
-            print(f"{r['backend']:<12}{r['dtype']:<10}  error: {r['error'][:200]}")
+            print(f"{head}  error: {r['error'][:200]}")
         else:
-            print(f"{r['backend']:<12}{r['dtype']:<10}{r['agree_tokens']:>6}/{r['total_tokens']:<5}{r['exact_chats']:>8}/{len(CHATS)}")
+            print(f"{head}{r['agree_tokens']:>6}/{r['total_tokens']:<5}{r['exact_chats']:>8}/{len(CHATS)}")
     print(f"\nspeed (median of {repeat}): decode {DECODE_NEW} tokens on {DECODE_PROMPT}-token prompts; "
           f"prefill of {PREFILL} tokens")  # fmt: skip
-    cols = [f"decode_b{b}_tok_s" for b in decode_batches] + ["prefill_4k_tok_s"]
-    print(f"{'system':<14}{'dtype':<10}" + "".join(f"{c:>20}" for c in cols))
+    cols = [f"decode_b{b}_tok_s" for b in decode_batches] + ["prefill_4k_tok_s", "weight_bytes"]
+    print(f"{'system':<14}{'dtype':<10}{'weights':<8}{'kv':<6}" + "".join(f"{c:>18}" for c in cols))
     for r in speed:
+        head = f"{r['system']:<14}{r['dtype']:<10}{r['weights']:<8}{r['kv_dtype']:<6}"
         if "error" in r:
-            print(f"{r['system']:<14}{r['dtype']:<10}  error: {r['error'][:200]}")
+            print(f"{head}  error: {r['error'][:200]}")
         else:
-            print(f"{r['system']:<14}{r['dtype']:<10}" + "".join(f"{r.get(c, float('nan')):>20,.0f}" for c in cols))
+            print(head + "".join(f"{r.get(c, float('nan')):>18,.0f}" for c in cols))
     write_result(args.json, {"fidelity": fidelity, "speed": speed}, device=device, torch=torch.__version__,
                  engine=ENGINE, repeat=repeat)  # fmt: skip
     return 0
 
 
 class EngineRunner:
-    def __init__(self, backend: str, dtype: str):
-        self.engine = Engine(device="cuda", dtype=dtype, attention_backend=backend, **ENGINE)
+    def __init__(self, backend: str, dtype: str, weights: str = "auto", kv_dtype: str = "auto"):
+        self.engine = Engine(device="cuda", dtype=dtype, attention_backend=backend, weights=weights, kv_dtype=kv_dtype,
+                             **ENGINE)  # fmt: skip
+
+    def weight_bytes(self) -> int:
+        return self.engine.stats()["weights"]["bytes"]
 
     def decode(self, prompts, new: int) -> float:
         params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
@@ -209,6 +234,9 @@ class HFRunner:
             return sync_seconds(lambda: self.model(ids, logits_to_keep=1))
         return sync_seconds(lambda: self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                                         pad_token_id=2))  # fmt: skip
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.parameters())
 
     def close(self):
         del self.model
