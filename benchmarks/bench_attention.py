@@ -108,9 +108,14 @@ class Problem:
 
 
 def run(name: str, p: Problem, repeat: int):
-    """``(ms, output)`` for one backend on ``p``, or ``(None, reason)`` when it cannot run."""
+    """``(ms, output)`` for one backend on ``p``, or ``(None, reason)`` when it cannot run.
+    ``name@N``: that backend with its decode block set to N context positions (a sweep of
+    the Triton decode kernel's ``BLOCK_N``)."""
+    name, _, block = name.partition("@")
     try:
         impl = get_backend(name, "cuda", p.kv.format.dtype)
+        if block:
+            impl.BLOCK_N = int(block)
     except ValueError:
         return None, "not registered"
     except Exception as e:  # an optional dependency missing, no GPU support, ...
@@ -141,6 +146,8 @@ def main() -> int:
     ap.add_argument("--json", default="benchmarks/out/bench_attention.json")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated names")
+    ap.add_argument("--long-backends", default=None, help="for the long decode (default: --backends); "
+                    "name@N sets a decode block of N positions, e.g. triton@32")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False here); nothing measured.")
@@ -209,9 +216,10 @@ def main() -> int:
     print(f"\nlong decode: {LONG_DECODE['batch']} seqs x {ctx} tokens, by KV format")
     print(f"{'format':<8}{'backend':<12}{'ms':>9}{'KV GB/s':>10}{'x bf16':>9}{'max|d| vs torch':>17}")
     base: dict[str, float] = {}
+    long_names = [n for n in (args.long_backends or args.backends).split(",") if n]
     for fmt_name in LONG_FORMATS:
         p = Problem(**LONG_DECODE, kv_dtype=fmt_name)
-        results = {n: run(n, p, args.repeat) for n in names}
+        results = {n: run(n, p, args.repeat) for n in long_names}
         ref = results.get("torch", (None, None))
         ref = ref[1] if ref[0] is not None else None
         for n, (ms, out) in results.items():
