@@ -2,6 +2,7 @@
 # The GPU backlog (GPU.md beside the checkout) as two prepared calls of a lent GPU
 # machine, so a short lease runs every check and benchmark once and keeps its logs.
 #
+#   bash benchmarks/gpu_lease.sh prepare   # here, before the lease: .whl/, .ma/, .mb/ (git-ignored locally)
 #   bash benchmarks/gpu_lease.sh kernels   # attention (every KV format), pool, packed weights; bench_attention
 #   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, bench_gpu_model
 #
@@ -11,14 +12,32 @@
 # one call may carry, so it travels in two halves: .ma/part with `kernels` (kept on the
 # machine in /root), .mb/part with `model`, which must follow on the same warm machine;
 # `model` checks the assembled file's sha256 (.mb/sha) and stops if the first half is gone.
-# Logs and JSON go to $OUT (the device tool brings them back).
+# Logs and JSON go to $OUT (the device tool brings them back). Calls, as the device tool
+# takes them: `bash benchmarks/gpu_lease.sh kernels` carrying .whl and .ma, then at once
+# (the machine stays warm 30 s) `bash benchmarks/gpu_lease.sh model` carrying .whl and .mb.
 set -uo pipefail
-phase=${1:?usage: gpu_lease.sh kernels|model}
+phase=${1:?usage: gpu_lease.sh prepare|kernels|model}
 OUT=${OUT:-/tmp/radixkv-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL_DIR=/root/radixkv-model
 say() { echo "== $(date +%T) $*"; }
+
+WHEELS="gguf==0.19.0 msgspec==0.22.0 llguidance==1.9.1 pyzmq==27.3.0 lmdb==3.0.0 redis==8.1.0 uvicorn==0.54.0 httptools==0.9.0"
+if [ "$phase" = prepare ]; then  # on the development machine (network to PyPI), not the device
+    for p in /.whl/ /.ma/ /.mb/; do grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
+    platforms=""
+    for n in 28 27 17 24 31 34; do platforms="$platforms --platform manylinux_2_${n}_x86_64"; done
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        $platforms --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $WHEELS || exit 1
+    gguf=$(${PYTHON:-.venv/bin/python} -c "from radixkv.model import resolve_model; print(resolve_model().path)") || exit 1
+    half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
+    mkdir -p .ma .mb && head -c "$half" "$gguf" > .ma/part && tail -c +"$((half + 1))" "$gguf" > .mb/part
+    sha256sum "$gguf" | cut -c1-64 > .mb/sha
+    ls -la .whl .ma .mb
+    exit 0
+fi
 
 say "setup"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || exit 1
@@ -54,7 +73,7 @@ model)
         2>&1 | tee "$OUT/bench_gpu_model.log" | grep -v '^fidelity {\|^speed {'
     ;;
 *)
-    echo "unknown phase $phase (kernels|model)"; exit 2
+    echo "unknown phase $phase (prepare|kernels|model)"; exit 2
     ;;
 esac
 say "done"
