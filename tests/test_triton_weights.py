@@ -22,25 +22,14 @@ from gguf.quants import dequantize
 pytest.importorskip("triton")
 
 from test_attention import device_for
+from test_weights import random_blocks  # random bytes in a type's block layout, finite fp16 scales
 from radixkv.kernels import triton_weights as tw
 from radixkv.kernels.triton_weights import TritonPackedMatrix
 from radixkv.kernels.weights import TYPES
 
 DEVICE = device_for("triton")  # compiled Triton takes CUDA tensors; the interpreter CPU ones
-HALF_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}  # fp16 offsets
 K_QUANTS = (12, 13, 14)
 NAMES = [TYPES[t][0] for t in TYPES]
-
-
-def random_blocks(type_id: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random bytes in ``type_id``'s block layout, with small finite fp16 scale fields."""
-    rng = np.random.default_rng(seed)
-    _, values, nbytes = TYPES[type_id]
-    a = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
-    for off in HALF_FIELDS[type_id]:
-        scales = (rng.standard_normal((rows, cols // values)) * 0.02).astype(np.float16)
-        a[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
-    return a.reshape(rows, -1)
 
 
 def reference(type_id: int, blocks: np.ndarray, cols: int) -> np.ndarray:
