@@ -92,7 +92,8 @@ PARENT = textwrap.dedent("""
     replica, url = process.launch([sys.executable, sys.argv[1]], "/", "replica", timeout=60)
     router, _ = process.launch([sys.executable, "-m", "radixkv", "router", "--replicas", url], "/health", "router",
                                timeout=120)
-    print(replica.pid, router.pid, flush=True)
+    peer, _ = process.launch([sys.executable, sys.argv[1]], "/", "peer", timeout=60, die_with_parent=True)
+    print(replica.pid, router.pid, peer.pid, flush=True)
     time.sleep(600)
 """)
 
@@ -110,23 +111,25 @@ def _alive(pid: int) -> bool:
 def test_a_radixkv_server_stops_when_the_process_that_launched_it_is_killed(tmp_path):
     """A benchmark or test killed outright (SIGKILL: no cleanup runs) leaves no radixkv
     server behind: `radixkv router` (and `serve`) started by launch watch their launcher
-    and shut down once it is gone. Another command launch started is not told to."""
+    and shut down once it is gone; so does another command launched ``die_with_parent``
+    (a benchmark's peer server). One launched without it is not told to."""
     (tmp_path / "replica.py").write_text(SERVER)
     (tmp_path / "parent.py").write_text(PARENT)
     parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "replica.py")],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
-    replica, router = map(int, parent.stdout.readline().split())
+    replica, router, peer = map(int, parent.stdout.readline().split())
     try:
-        assert _alive(router) and _alive(replica)
+        assert _alive(router) and _alive(replica) and _alive(peer)
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 30
-        while _alive(router) and time.monotonic() < deadline:
+        while (_alive(router) or _alive(peer)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(router)
-        assert _alive(replica)  # not a radixkv command: it does not watch
+        assert not _alive(peer)  # launched die_with_parent: SIGTERM from the kernel
+        assert _alive(replica)  # neither a radixkv command nor told to: it does not watch
     finally:
-        for pid in (replica, router):
+        for pid in (replica, router, peer):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 

@@ -58,7 +58,7 @@ class LlamaCppServer:
         cmd = [str(PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", "--n_threads", "2",
                "--n_threads_batch", "2", "--n_batch", "512", "--interrupt_requests", "False", "--logits_all", "False",
                "--cache", "True", "--cache_type", "ram"]  # fmt: skip
-        self.proc, url = launch(cmd, "/v1/models", "llama.cpp server")
+        self.proc, url = launch(cmd, "/v1/models", "llama.cpp server", die_with_parent=True)
         self.backend = LlamaCppBackend(url)
 
     def reset(self) -> None:

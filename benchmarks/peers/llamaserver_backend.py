@@ -56,7 +56,7 @@ class LlamaServer:
         cmd = [str(BINARY), "-m", str(resolve_model().path), "-c", str(CONTEXT), "-np", str(SLOTS), "-kvu",
                "-t", str(threads), "-tb", str(threads), "--cache-reuse", "256", "--no-webui",
                "--slot-save-path", self._slots_dir.name]  # fmt: skip
-        self.proc, url = launch(cmd, "/health", "llama-server")
+        self.proc, url = launch(cmd, "/health", "llama-server", die_with_parent=True)
         self.backend = LlamaServerBackend(url)
 
     def reset(self) -> None:

@@ -102,7 +102,7 @@ def start(worker_urls: list[str], policy: str = "cache_aware", timeout: float = 
     cmd = [str(PYTHON), "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
            *_flags(opts)]  # fmt: skip
     deadline = time.monotonic() + timeout
-    proc, url = launch(cmd, "/liveness", "sglang router", timeout, log_path)
+    proc, url = launch(cmd, "/liveness", "sglang router", timeout, log_path, die_with_parent=True)
     ready: dict = {}
     while time.monotonic() < deadline:  # workers register in the background after the port opens
         r = httpx.get(url + "/readiness", timeout=5)

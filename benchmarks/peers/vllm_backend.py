@@ -64,7 +64,7 @@ class VllmServer:
         cmd = ["env", *env, str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(CHECKPOINT),
                "--served-model-name", NAME, "--dtype", "float32", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE)]  # fmt: skip
-        self.proc, url = launch(cmd, "/health", "vLLM", timeout=600)
+        self.proc, url = launch(cmd, "/health", "vLLM", timeout=600, die_with_parent=True)
         self.backend = VllmBackend(url)
 
     def reset(self) -> None:

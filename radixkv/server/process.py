@@ -10,6 +10,7 @@ server started this way stops once the process that started it is gone
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import shutil
@@ -44,12 +45,17 @@ def free_port() -> int:
 
 
 def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
-           log_path: str | Path | None = None) -> tuple[subprocess.Popen, str]:  # fmt: skip
+           log_path: str | Path | None = None, die_with_parent: bool = False) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """Run ``cmd --host 127.0.0.1 --port P``; return (process, base URL) once GET
     ``ready_path`` answers 200. Output goes to ``log_path`` (default: a temporary file),
     whose tail is in the error if the process exits first. Between free_port() and the
     child's bind another process may take the port (a client's ephemeral port, another
-    test's server): a child that exits saying so is started again on a new one."""
+    test's server): a child that exits saying so is started again on a new one.
+
+    ``die_with_parent`` (Linux): the child gets SIGTERM when the thread that launched it
+    ends, the process killed outright included: for commands that do not watch their
+    launcher as radixkv's own do (``exit_with_parent``), such as a benchmark's peer
+    servers. Launch them from a thread that lives as long as they should (the main one)."""
     log = open(log_path, "w+") if log_path else tempfile.NamedTemporaryFile(
         "w+", prefix=f"{name.replace(' ', '-')}-", suffix=".log", delete=False
     )  # fmt: skip
@@ -57,7 +63,7 @@ def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
     def start(port: int) -> subprocess.Popen:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", PARENT_ENV: str(os.getpid())}  # see exit_with_parent
         return subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)  # fmt: skip
+                                env=env, preexec_fn=_death_signal(os.getpid()) if die_with_parent else None)  # fmt: skip
 
     proc, port = _start_on_free_port(start, lambda p, port: _ready(p, f"http://127.0.0.1:{port}{ready_path}", timeout),
                                      log, f"{name} did not answer {ready_path} within {timeout:.0f} s (log: {log.name})",
@@ -66,6 +72,22 @@ def launch(cmd: list[str], ready_path: str, name: str, timeout: float = 300,
 
 
 PARENT_ENV = "RADIXKV_PARENT_PID"  # set by launch for its child: the process it must not outlive
+
+
+def _death_signal(parent: int) -> Callable[[], None] | None:
+    """For ``Popen(preexec_fn=...)``: in the child, ask Linux for SIGTERM when the
+    launching thread ends (``prctl(PR_SET_PDEATHSIG)``), and stop at once if the parent
+    is already gone. None (nothing to do) where there is no prctl."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def arm() -> None:
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def exit_with_parent(poll: float = 0.5) -> threading.Thread | None:
