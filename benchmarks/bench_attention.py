@@ -109,13 +109,17 @@ class Problem:
 
 def run(name: str, p: Problem, repeat: int):
     """``(ms, output)`` for one backend on ``p``, or ``(None, reason)`` when it cannot run.
-    ``name@N``: that backend with its decode block set to N context positions (a sweep of
-    the Triton decode kernel's ``BLOCK_N``)."""
-    name, _, block = name.partition("@")
+    ``name@N[:W:S]``: that backend with its decode block set to N context positions (and
+    its decode kernel launched with W warps and S pipeline stages): a sweep of the Triton
+    decode kernel."""
+    name, _, variant = name.partition("@")
     try:
         impl = get_backend(name, "cuda", p.kv.format.dtype)
-        if block:
-            impl.BLOCK_N = int(block)
+        if variant:
+            block, *launch = (int(x) for x in variant.split(":"))
+            impl.BLOCK_N = block
+            if launch:
+                impl.DECODE_LAUNCH = {"num_warps": launch[0], "num_stages": launch[1]}
     except ValueError:
         return None, "not registered"
     except Exception as e:  # an optional dependency missing, no GPU support, ...
@@ -147,7 +151,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated names")
     ap.add_argument("--long-backends", default=None, help="for the long decode (default: --backends); "
-                    "name@N sets a decode block of N positions, e.g. triton@32")  # fmt: skip
+                    "name@N[:W:S] sets a decode block of N positions (W warps, S stages), e.g. triton@32 or triton@64:8:3")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False here); nothing measured.")

@@ -540,6 +540,7 @@ class TritonBackend(AttentionBackend):
     EXTEND_STAGES = 3
     MAX_SPLITS = 16
     TOKENS_PER_SPLIT = 256  # aim: each decode program streams at least this much context
+    DECODE_LAUNCH: dict = {}  # decode kernel's num_warps / num_stages (empty: Triton's defaults, 4 warps, 3 stages)
 
     def __init__(self):
         self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -623,7 +624,7 @@ class TritonBackend(AttentionBackend):
                 stride_fs, stride_fh,
                 BLOCK_H=_pow2(group), BLOCK_N=self.BLOCK_N, NUM_SPLITS=self.num_splits,
                 NUM_BLOCKS=self._static_blocks(self.chunk, self.BLOCK_N),
-                PARAM_RUN=_param_run(page_size, self.BLOCK_N), **flags,
+                PARAM_RUN=_param_run(page_size, self.BLOCK_N), **flags, **self.DECODE_LAUNCH,
             )  # fmt: skip
             _decode_reduce[(b, hq)](
                 mid_o, mid_lse, out, out.stride(0), out.stride(1),
