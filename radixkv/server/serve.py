@@ -29,7 +29,8 @@ HELP = {
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
     "weights": "native: a quantized GGUF's blocks read as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
-               "CPU, float32 activations rounded to 16-bit integers per block of 32); fp32, bf16, fp16: expanded "
+               "on the CPU float32 activations rounded to 16-bit integers per block of 32; on CUDA float32, bfloat16 "
+               "or float16, multiplied by a Triton kernel); fp32, bf16, fp16: expanded "
                "to that dtype (fp32 is the exact mode, token-equal to transformers); auto: native for a quantized "
                "GGUF on the CPU at tp 1, else --dtype",
     "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (a scale byte per token and KV "
