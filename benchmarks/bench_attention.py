@@ -150,13 +150,14 @@ def main() -> int:
     ap.add_argument("--json", default="benchmarks/out/bench_attention.json")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated names")
-    ap.add_argument("--long-backends", default=None, help="for the long decode (default: --backends); "
+    ap.add_argument("--decode-backends", default=None, help="for both decode problems (default: --backends); "
                     "name@N[:W:S] sets a decode block of N positions (W warps, S stages), e.g. triton@32 or triton@64:8:3")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False here); nothing measured.")
         return 0
     names = [n for n in args.backends.split(",") if n]
+    decode_names = [n for n in (args.decode_backends or args.backends).split(",") if n]
     try:
         fi_version = metadata.version("flashinfer-python")
     except metadata.PackageNotFoundError:
@@ -172,20 +173,20 @@ def main() -> int:
 
     # decode ------------------------------------------------------------------------------
     p = Problem(**DECODE)
-    results = {n: run(n, p, args.repeat) for n in names}
+    results = {n: run(n, p, args.repeat) for n in decode_names}
     ref = results.get("torch", (None, None))
     ref = ref[1] if ref[0] is not None else None
     ctx = DECODE["cached"] + DECODE["new"]
     print(f"\ndecode: {DECODE['batch']} seqs x {ctx} tokens, {p.kv_bytes / 1e9:.2f} GB of K+V")
-    print(f"{'backend':<12}{'ms':>9}{'KV GB/s':>10}{'of copy BW':>12}{'max|d| vs torch':>17}")
+    print(f"{'backend':<16}{'ms':>9}{'KV GB/s':>10}{'of copy BW':>12}{'max|d| vs torch':>17}")
     for n, (ms, out) in results.items():
         if ms is None:
-            print(f"{n:<12}  skipped: {out}")
+            print(f"{n:<16}  skipped: {out}")
             rows.append({"case": "decode", "backend": n, "skipped": out})
             continue
         gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
         d = max_diff(out, ref)
-        print(f"{n:<12}{ms:>9.3f}{gb_s:>10,.0f}{gb_s / copy_gb_s:>11.0%} {fmt(d, '.2e', 16)}")
+        print(f"{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{gb_s / copy_gb_s:>11.0%} {fmt(d, '.2e', 16)}")
         rows.append({"case": "decode", "backend": n, "ms": ms, "kv_gb_s": gb_s,
                      "fraction_of_copy_bw": gb_s / copy_gb_s, "max_abs_diff_vs_torch": d})  # fmt: skip
     del p, results, ref
@@ -198,17 +199,17 @@ def main() -> int:
     ref = ref[1] if ref[0] is not None else None
     fi_ms = results.get("flashinfer", (None, None))[0]
     print(f"\nextend: {EXTEND['batch']} seqs x {EXTEND['new']} new tokens on {EXTEND['cached']} cached")
-    print(f"{'backend':<12}{'ms':>9}{'TFLOP/s':>10}{'x flashinfer':>14}{'max|d| vs torch':>17}")
+    print(f"{'backend':<16}{'ms':>9}{'TFLOP/s':>10}{'x flashinfer':>14}{'max|d| vs torch':>17}")
     for n, (ms, out) in results.items():
         if ms is None:
-            print(f"{n:<12}  skipped: {out}")
+            print(f"{n:<16}  skipped: {out}")
             rows.append({"case": "extend", "backend": n, "skipped": out})
             continue
         tflops = p.flops / (ms * 1e-3) / 1e12
         ratio = ms / fi_ms if fi_ms else None
         d = max_diff(out, ref)
         ratio_s = "-" if ratio is None else f"{ratio:.2f}x"
-        print(f"{n:<12}{ms:>9.3f}{tflops:>10.1f}{ratio_s:>14} {fmt(d, '.2e', 16)}")
+        print(f"{n:<16}{ms:>9.3f}{tflops:>10.1f}{ratio_s:>14} {fmt(d, '.2e', 16)}")
         rows.append({"case": "extend", "backend": n, "ms": ms, "tflop_s": tflops,
                      "time_vs_flashinfer": ratio, "max_abs_diff_vs_torch": d})  # fmt: skip
 
@@ -218,24 +219,23 @@ def main() -> int:
     # long decode by KV format ------------------------------------------------------------
     ctx = LONG_DECODE["cached"] + LONG_DECODE["new"]
     print(f"\nlong decode: {LONG_DECODE['batch']} seqs x {ctx} tokens, by KV format")
-    print(f"{'format':<8}{'backend':<12}{'ms':>9}{'KV GB/s':>10}{'x bf16':>9}{'max|d| vs torch':>17}")
+    print(f"{'format':<8}{'backend':<16}{'ms':>9}{'KV GB/s':>10}{'x bf16':>9}{'max|d| vs torch':>17}")
     base: dict[str, float] = {}
-    long_names = [n for n in (args.long_backends or args.backends).split(",") if n]
     for fmt_name in LONG_FORMATS:
         p = Problem(**LONG_DECODE, kv_dtype=fmt_name)
-        results = {n: run(n, p, args.repeat) for n in long_names}
+        results = {n: run(n, p, args.repeat) for n in decode_names}
         ref = results.get("torch", (None, None))
         ref = ref[1] if ref[0] is not None else None
         for n, (ms, out) in results.items():
             if ms is None:
-                print(f"{fmt_name:<8}{n:<12}  skipped: {out}")
+                print(f"{fmt_name:<8}{n:<16}  skipped: {out}")
                 rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "skipped": out})
                 continue
             base.setdefault(n, ms) if fmt_name == "bf16" else None
             speedup = base[n] / ms if n in base else None
             gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
             d = max_diff(out, ref)
-            print(f"{fmt_name:<8}{n:<12}{ms:>9.3f}{gb_s:>10,.0f}{fmt(speedup, '.2f', 8)}x {fmt(d, '.2e', 16)}")
+            print(f"{fmt_name:<8}{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{fmt(speedup, '.2f', 8)}x {fmt(d, '.2e', 16)}")
             rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "ms": ms, "kv_gb_s": gb_s,
                          "speedup_vs_bf16": speedup, "max_abs_diff_vs_torch": d})  # fmt: skip
         del p, results, ref
