@@ -54,7 +54,7 @@ kernels)
         tests/test_pool.py tests/test_attention_mass.py -rfE 2>&1 |
         tee "$OUT/kernel_tests.log" | grep -v '^\.*$' | tail -40
     say "bench_attention"
-    timeout 150 python3 benchmarks/bench_attention.py --repeat 10 --backends torch,triton --decode-backends torch,triton,triton@32,triton@64,triton@64:8:3,triton@128:8:3,triton@64:4:4 \
+    timeout 150 python3 benchmarks/bench_attention.py --repeat 10 --backends torch,triton --decode-backends torch,triton,triton@16:4:5,triton@32,triton@32:4:4,triton@64,triton@64:4:4,triton@64:8:3,triton@128:8:3 \
         --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log"
     ;;
 model)
