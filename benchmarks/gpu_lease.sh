@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_lease.sh prepare   # here, before the lease: .whl/, .ma/, .mb/ (git-ignored locally)
 #   bash benchmarks/gpu_lease.sh kernels   # attention (every KV format), pool, packed weights; bench_attention
-#   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, bench_gpu_model
+#   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, where a
+#                                          # decode step's host time goes, bench_gpu_model
 #
 # The machine has torch, triton and transformers but not radixkv's other dependencies:
 # they travel as wheels in .whl/ (Python 3.12, manylinux x86-64; see the device tool's
@@ -67,6 +68,9 @@ model)
     say "model tests on the GPU"
     timeout 140 python3 -m pytest -q -p no:cacheprovider -n 4 -rP tests/test_gpu.py "tests/test_tp.py::test_tp1_through_a_process_group_is_exact" \
         2>&1 | tee "$OUT/model_tests.log" | grep -E 'agree|passed|failed|error|Error|FAIL' | tail -40
+    say "decode host time"
+    timeout 45 python3 benchmarks/profile_decode.py --device cuda --dtype bfloat16 --backend triton --steps 20 \
+        2>&1 | tee "$OUT/profile_decode.log" | head -60
     say "bench_gpu_model"
     timeout 150 python3 benchmarks/bench_gpu_model.py --repeat 1 --json "$OUT/bench_gpu_model.json" \
         --configs triton:float32:native,triton:float32:auto:int8,triton:bfloat16,triton:bfloat16:native \
