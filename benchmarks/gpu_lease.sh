@@ -72,7 +72,7 @@ model)
     timeout 45 python3 benchmarks/profile_decode.py --device cuda --dtype bfloat16 --backend triton --steps 20 \
         2>&1 | tee "$OUT/profile_decode.log" | head -60
     say "bench_gpu_model"
-    timeout 150 python3 benchmarks/bench_gpu_model.py --repeat 1 --json "$OUT/bench_gpu_model.json" \
+    timeout 230 python3 benchmarks/bench_gpu_model.py --repeat 1 --json "$OUT/bench_gpu_model.json" \
         --configs triton:float32:native,triton:float32:auto:int8,triton:bfloat16,triton:bfloat16:native \
         2>&1 | tee "$OUT/bench_gpu_model.log" | grep -v '^fidelity {\|^speed {'
     ;;
