@@ -6,6 +6,9 @@ same GPU. Skipped without CUDA (CI has none); run when a GPU is lent.
 - bfloat16: FlashInfer reads only half-precision KV, so backends are compared there:
   each one's last-token logits close to the float32 model's (cosine), and the pool
   consistent after.
+- native weights (the GGUF's blocks, Triton products): logits against the expanded
+  model's, greedy tokens against transformers', the same tokens from the prefix cache.
+- int8 and int4 KV through Triton: exact within their format (cache, batch).
 """
 
 import os
