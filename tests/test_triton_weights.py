@@ -182,11 +182,12 @@ def compile_variant(variant) -> None:
     signature = {"x": f"*{dtype}", "codes": "*i8" if layout.signed else "*u8", "scales": "*fp32", "mins": "*fp32",
                  "out": f"*{dtype}", "M": "i32", "N": "i32"}  # fmt: skip
     constexprs = dict(K=cols, NIBBLES=layout.nibbles, GROUP=layout.group, OFFSET=layout.offset,
-                      HAS_MIN=layout.has_min, NATIVE_DOT=dtype != "fp32", BLOCK_M=tw.block_m(tokens),
-                      BLOCK_N=tw.BLOCK_N, BLOCK_K=tw.block_k(cols))  # fmt: skip
+                      HAS_MIN=layout.has_min, NATIVE_DOT=dtype != "fp32", BLOCK_M=tw.tile(tokens).block_m,
+                      BLOCK_N=tw.tile(tokens).block_n, BLOCK_K=tw.block_k(cols))  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
+    options = {"num_warps": tw.tile(tokens).warps, "num_stages": tw.tile(tokens).stages}
     compiled = triton.compile(ASTSource(fn=tw._qlinear, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": tw.NUM_WARPS})  # fmt: skip
+                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
     if not compiled.asm.get("cubin"):
         raise RuntimeError(f"{variant}: no cubin")
 
