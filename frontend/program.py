@@ -362,6 +362,8 @@ class ProgramState:
         self._session: str | None = None  # the program run's id in the trace (forks share it)
         self._cache_session: str | None = None  # this state's session in the runtime's cache (hints)
         self.pins: list[str] = []  # ids of the pins s.pin() made
+        # run_batch's first program: set once its first call's prompt is in the runtime's cache
+        self._prefilled: threading.Event | None = None
         if _parent is not None:
             self._copy_from(_parent)
 
@@ -542,11 +544,13 @@ class ProgramState:
         t0 = time.perf_counter()
         advice = self._advice()
         with _naming(what):
-            if self._stream_q is not None:
+            # streamed for the program's stream, or to tell run_batch at the first token that the prompt is cached
+            if self._stream_q is not None or (self._prefilled is not None and _streams(self.backend)):
                 result = None
                 for item in self.backend.stream(prompt, params, **advice):
                     if isinstance(item, Delta):
-                        if item.text:
+                        self._mark_prefilled()
+                        if item.text and self._stream_q is not None:
                             self._stream_q.put(item.text)
                     else:
                         result = item
@@ -685,9 +689,16 @@ class ProgramState:
                 self._record("select", sel.name, (), sc.result, seconds, sent=choice)
         return keys, conditional, uncond
 
+    def _mark_prefilled(self) -> None:
+        """Tell run_batch (once) that a call of this program has its prompt computed."""
+        if self._prefilled is not None:
+            self._prefilled.set()
+            self._prefilled = None
+
     def _record(self, kind, name, prompt, r: CallResult, seconds, priority: int = 0, sent=None) -> None:
         """Keep the call (``calls``) and, with record_trace, queue its trace line. ``sent``:
         what a text-level backend was sent when ``prompt`` does not say it."""
+        self._mark_prefilled()
         ids = tuple(prompt) if self.backend.token_level else ()
         self.calls.append(CallRecord(kind, name, ids, r.prompt_tokens, r.cached_tokens, r.generated, seconds,
                                      r.ttft))  # fmt: skip
@@ -1055,9 +1066,11 @@ class ProgramFunction:
         """Run the program once per item, ``num_threads`` at a time ("auto": 16); states
         in order. An item is a dict of keyword arguments or a tuple (or list) of
         positional ones. Other keywords (``temperature=``, ``max_new_tokens=``, ...) are
-        defaults for every gen, as in ``run``. The first program runs alone, so that what
-        all of them share (a system prompt, few-shot examples) is cached before the rest
-        start. A failing program raises after the others finish."""
+        defaults for every gen, as in ``run``. The first program runs alone until its first
+        call's prompt is computed (its first streamed token, or the call's end where the
+        backend does not stream), so that what all of them share (a system prompt, few-shot
+        examples) is cached before the rest start; then the others join it. A failing
+        program raises after the others finish."""
         unknown = sorted(set(defaults) - set(RUN_DEFAULTS))
         if unknown:
             raise ProgramError(f"run_batch(...) got unknown keywords {', '.join(unknown)}; the program's own "
@@ -1090,25 +1103,29 @@ class ProgramFunction:
 
             bar = tqdm(total=len(calls), desc=self.__name__)
 
-        def one(i: int) -> None:
+        def one(i: int, prefilled: threading.Event | None = None) -> None:
             s = ProgramState(chosen, defaults=defaults)
+            s._prefilled = prefilled
             _start_trace(s, trace, self.__name__)
             _start_session(s, None, self.__name__)
             states[i] = s
             try:
                 self._execute(s, *calls[i])
             finally:
+                if prefilled is not None:  # a program that ended (or failed) before any call
+                    prefilled.set()
                 if bar is not None:
                     bar.update(1)
 
         errors = []
-        if calls:
-            try:
-                one(0)
-            except Exception as e:
-                errors.append(e)
         with ThreadPoolExecutor(num_threads) as pool:
-            for f in [pool.submit(one, i) for i in range(1, len(calls))]:
+            futures = []
+            if calls:
+                prefilled = threading.Event()
+                futures.append(pool.submit(one, 0, prefilled))
+                prefilled.wait()
+            futures += [pool.submit(one, i) for i in range(1, len(calls))]
+            for f in futures:
                 try:
                     f.result()
                 except Exception as e:
@@ -1118,6 +1135,11 @@ class ProgramFunction:
         if errors:
             raise errors[0]
         return states
+
+
+def _streams(backend: Backend) -> bool:
+    """Whether ``backend`` implements ``stream`` (the base class only declares it)."""
+    return type(backend).stream is not Backend.stream
 
 
 def function(fn: Callable) -> ProgramFunction:

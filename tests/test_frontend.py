@@ -229,6 +229,36 @@ def test_run_batch_in_order_with_shared_system_prompt(backend, engine):
         assert s.calls[0].cached_tokens >= system_tokens // PAGE * PAGE
 
 
+def test_run_batch_starts_the_rest_once_the_first_prompt_is_computed(backend, endpoint, engine):
+    """The first program runs alone only until its first call's prompt is computed (its
+    first streamed token): the others start while it still generates, and find what they
+    share cached."""
+    import time
+
+    system_tokens = len(engine.tokenizer.encode(engine.render_chat(
+        [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}],
+        add_generation_prompt=False)))  # fmt: skip
+    for b in (backend, endpoint):
+        engine.flush_cache()
+        times: dict[tuple[int, str], float] = {}
+
+        @function
+        def timed(s, i, questions):
+            times[i, "start"] = time.perf_counter()
+            multi_turn(s, questions)  # two answers of 12 tokens: the first program is still generating
+            s["answer1"]  # waits for it (a program's calls run behind its function)
+            times[i, "end"] = time.perf_counter()
+
+        items = [{"i": i, "questions": [QUESTIONS[i], QUESTIONS[(i + 1) % 3]]} for i in range(3)]
+        states = timed.run_batch(items, backend=b, num_threads=3)
+        assert times[1, "start"] < times[0, "end"] and times[2, "start"] < times[0, "end"]
+        assert times[1, "start"] > states[0].calls[0].ttft + times[0, "start"] - 0.05  # not before its prompt
+        for s in states[1:]:
+            assert s.calls[0].cached_tokens >= system_tokens // PAGE * PAGE
+        assert [s["answer0"] for s in states] == [multi_turn.run(questions=it["questions"], backend=b)["answer0"]
+                                                  for it in items]  # fmt: skip
+
+
 def test_program_errors_are_clear(backend):
     @function
     def bare_gen_after_user(s):
