@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import FIDELITY_CHATS as CHATS  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import agreement, write_result  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.sampling import SamplingParams  # noqa: E402
 from radixkv.model import resolve_model  # noqa: E402
@@ -64,15 +64,6 @@ def sync_seconds(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
-
-
-def agreement(mine: list[int], ref: list[int]) -> int:
-    n = 0
-    for a, b in zip(mine, ref):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def hf_model(dtype):

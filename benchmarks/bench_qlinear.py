@@ -19,32 +19,17 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import random_blocks, write_result  # noqa: E402
 
 SHAPES = [("qkv", 960, 576, 3), ("gate_up", 3072, 576, 3), ("down", 576, 1536, 3), ("head", 49152, 576, 8),
           ("7b_up", 14336, 4096, 12)]  # fmt: skip
 TOKENS = (1, 512, 4096)
 DECODE_TILES = ["16x64/4/3", "16x32/4/3", "16x16/2/3", "16x128/4/3"]
 PREFILL_TILES = ["64x64/4/3", "128x64/4/3", "128x128/8/3", "64x128/4/4", "128x256/8/3"]
-HALF_FIELDS = {3: [0, 2], 8: [0], 12: [0, 2]}  # offsets of the blocks' fp16 scale fields
-
-
-def random_blocks(type_id: int, rows: int, cols: int, rng) -> np.ndarray:
-    from radixkv.kernels.weights import TYPES
-
-    _, values, nbytes = TYPES[type_id]
-    a = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
-    for off in HALF_FIELDS[type_id]:
-        scales = (rng.standard_normal((rows, cols // values)) * 0.02).astype(np.float16)
-        a[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
-    return a.reshape(rows, -1)
-
-
 def parse(spec: str):
     from radixkv.kernels.triton_weights import Tile
 
@@ -65,13 +50,12 @@ def main() -> int:
 
     from radixkv.kernels import triton_weights as tw
 
-    rng = np.random.default_rng(0)
     device, rows_out = torch.cuda.get_device_name(), []
     current = dict(tw.TILES)
     print(f"{device}, torch {torch.__version__}; bf16 activations, median over {args.rep_ms} ms (do_bench)")
     print(f"{'matrix':<9}{'type':<6}{'tokens':>7}{'dense us':>10}{'tile':>14}{'us':>9}{'x dense':>9}{'rel err':>10}")
-    for name, n, k, type_id in SHAPES:
-        m = tw.TritonPackedMatrix.from_blocks(type_id, torch.from_numpy(random_blocks(type_id, n, k, rng)), k, "cuda")
+    for seed, (name, n, k, type_id) in enumerate(SHAPES):
+        m = tw.TritonPackedMatrix.from_blocks(type_id, torch.from_numpy(random_blocks(type_id, n, k, seed)), k, "cuda")
         dense = m.dequantize().to(torch.bfloat16)
         for tokens in TOKENS:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from radixkv.workloads.bench import write_result  # noqa: F401 (one implementation, shared)
@@ -54,3 +55,32 @@ def transformers_decode_seconds(model, prompts: list[list[int]], steps: int) -> 
         out = model(tokens, past_key_values=cache, use_cache=True)
         cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
     return time.perf_counter() - t0
+
+
+def agreement(mine: list[int], ref: list[int]) -> int:
+    """Tokens of ``mine`` equal to ``ref``'s before their first difference."""
+    n = 0
+    for a, b in zip(mine, ref):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+# offsets of each GGUF block type's fp16 scale fields (d, and m or dmin where it has one)
+HALF_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+
+
+def random_blocks(type_id: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in the block layout of ggml type ``type_id`` (``uint8 [rows,
+    row_bytes]``), with small finite fp16 scales: the packed-weight kernels' test and
+    benchmark input (never zeros)."""
+    from radixkv.kernels.weights import TYPES
+
+    rng = np.random.default_rng(seed)
+    _, values, nbytes = TYPES[type_id]
+    a = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    for off in HALF_FIELDS[type_id]:
+        scales = (rng.standard_normal((rows, cols // values)) * 0.02).astype(np.float16)
+        a[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
+    return a.reshape(rows, -1)

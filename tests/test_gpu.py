@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from benchmarks.common import FIDELITY_CHATS as CHATS  # noqa: E402
+from benchmarks.common import agreement  # noqa: E402
 from radixkv.engine.engine import Engine  # noqa: E402
 from radixkv.engine.sampling import SamplingParams  # noqa: E402
 from radixkv.model import resolve_model  # noqa: E402
@@ -106,17 +107,6 @@ def test_bfloat16_backends_stay_close_to_float32(backend, prompts):
         assert torch.nn.functional.cosine_similarity(hi, lo, dim=-1).min() > 0.99
 
 
-def agreeing(outs, ref) -> int:
-    """Tokens of ``outs`` equal to ``ref``'s before each chat's first difference."""
-    total = 0
-    for o, r in zip(outs, ref):
-        for a, b in zip(o, r):
-            if a != b:
-                break
-            total += 1
-    return total
-
-
 def test_native_weights_on_the_gpu_compute_the_dequantized_product():
     """The packed model on CUDA (Triton products on the GGUF blocks, never expanded)
     against the expanded model on the same GPU: in float32 the same function up to
@@ -164,7 +154,7 @@ def test_native_weights_greedy_on_the_gpu(dtype, prompts, reference):
         e.check_integrity()
     assert [o.error for o in first + again] == [None] * 2 * len(prompts)
     outs = [o.token_ids for o in first]
-    agree, total = agreeing(outs, reference), sum(len(r) for r in reference)
+    agree, total = sum(map(agreement, outs, reference)), sum(len(r) for r in reference)
     print(f"native {dtype} on {torch.cuda.get_device_name()}: {agree}/{total} tokens agree with transformers float32")
     assert all(o.cached_tokens > 0 for o in again)
     if dtype == "float32":
@@ -189,6 +179,6 @@ def test_quantized_kv_on_the_gpu_is_exact_within_its_format(kv_dtype, prompts, r
     assert alone == batched[:2]
     assert all(o.cached_tokens > 0 for o in cached)
     assert [o.token_ids for o in cached] == batched
-    agree, total = agreeing(batched, reference), sum(len(r) for r in reference)
+    agree, total = sum(map(agreement, batched, reference)), sum(len(r) for r in reference)
     print(f"{kv_dtype} KV on {torch.cuda.get_device_name()}: {agree}/{total} tokens agree with float32 (transformers)")
     assert agree >= (0.5 if kv_dtype == "int8" else 0.25) * total

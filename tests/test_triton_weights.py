@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 pytest.importorskip("triton")
 
 from test_attention import device_for
-from test_weights import random_blocks  # random bytes in a type's block layout, finite fp16 scales
+from benchmarks.common import random_blocks  # random bytes in a type's block layout, finite fp16 scales
 from radixkv.kernels import triton_weights as tw
 from radixkv.kernels.triton_weights import TritonPackedMatrix
 from radixkv.kernels.weights import TYPES
@@ -203,6 +203,8 @@ def compile_all() -> int:
 
 def test_every_kernel_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the script imports benchmarks.common
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"compiled {len(variants())} weight kernel variants for sm_90" in out.stdout

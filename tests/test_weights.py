@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 import radixkv.kernels.weights as weights
+from benchmarks.common import random_blocks  # random bytes in a type's block layout, finite fp16 scales
 from radixkv.cache import KVPool, PoolConfig
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
@@ -31,20 +32,6 @@ from radixkv.model import load_model, resolve_model
 from radixkv.model.batch import ForwardBatch, SeqInput
 from radixkv.model.chat_template import ChatTemplate
 from radixkv.model.tokenizer import Tokenizer
-
-HALF_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}  # fp16 offsets
-
-
-def random_blocks(type_id: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random bytes in ``type_id``'s block layout, with finite fp16 scales."""
-    rng = np.random.default_rng(seed)
-    _, values, nbytes = TYPES[type_id]
-    a = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
-    for off in HALF_FIELDS[type_id]:
-        scales = (rng.standard_normal((rows, cols // values)) * 0.02).astype(np.float16)
-        a[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, cols // values, 2)
-    return a.reshape(rows, -1)
-
 
 def reference(type_id: int, blocks: np.ndarray, cols: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(blocks, GGMLQuantizationType(type_id)).reshape(-1, cols).astype(np.float64))
