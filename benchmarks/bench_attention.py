@@ -11,12 +11,13 @@ scattered over the pool:
 - extend: 8 sequences with 512 new tokens each on 4096 cached; time per batch and its
   ratio to flashinfer's.
 - long decode by KV format: 8 sequences of 32,768 tokens over bf16 pages and over int8
-  pages (one byte a value plus a scale byte per token and KV head, stored through
-  ``KVPool.store_kv`` as the engine stores them); time per step and int8's speed-up over
-  the same backend on bf16 pages (issue 15's GPU target: triton int8 >= 1.3x bf16).
+  pages (one byte a value plus a scale byte per token and KV head); time per step and
+  int8's speed-up over the same backend on bf16 pages (issue 15's GPU target: triton
+  int8 >= 1.3x bf16).
 
-Each backend is planned once per problem, then ``forward`` runs one layer over and over
-(the store of the new K/V into the pool is part of it); CUDA events, 3 warm-up calls,
+Every problem's K/V goes into a one-layer pool of its format through ``KVPool.store_kv``,
+as the engine stores it. Each backend is planned once per problem, then ``forward``
+(attention alone: backends read the pool, they do not store) runs over and over; CUDA events, 3 warm-up calls,
 median of ``--repeat``. Backends that are not registered, or whose factory or first call
 raises, are listed as skipped with the reason.
 
@@ -38,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
-from radixkv.cache.formats import KVView, kv_format  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
 
@@ -77,31 +77,25 @@ class Problem:
     """One batch of ``batch`` sequences, each ``new`` tokens on ``cached`` tokens already in
     the pool; page ids shuffled so no sequence's pages are contiguous."""
 
-    def __init__(self, batch: int, cached: int, new: int, seed: int = 0, kv_dtype: str | None = None):
+    def __init__(self, batch: int, cached: int, new: int, seed: int = 0, kv_dtype: str = "bf16"):
         g = torch.Generator().manual_seed(seed)
         per_seq = -(-(cached + new) // PAGE)
         num_pages = batch * per_seq
         order = torch.randperm(num_pages, generator=g).numpy().astype(np.int32)
         seqs = [SeqInput([0] * new, cached, order[i * per_seq : (i + 1) * per_seq]) for i in range(batch)]
         self.batch = ForwardBatch.build(seqs, PAGE, device="cuda")
-        if kv_dtype is None:
-            self.k_cache = torch.randn(num_pages, PAGE, HKV, DIM, dtype=DTYPE, device="cuda")
-            self.v_cache = torch.randn_like(self.k_cache)
-            self.kv = KVView(self.k_cache, self.v_cache, kv_format(DTYPE))  # the pool's view of one layer
-            stored = 2 * self.k_cache.element_size() * HKV * DIM
-        else:  # through a pool of that format, a sequence at a time, as the engine stores K/V
-            pool = KVPool(PoolConfig(1, HKV, DIM, PAGE, kv_dtype=kv_dtype, num_pages=num_pages, device="cuda"))
-            for i, s in enumerate(seqs):
-                slots = pool.slots(order[i * per_seq : (i + 1) * per_seq], 0, cached + new)
-                kv = torch.randn(2, cached + new, HKV, DIM, dtype=DTYPE, device="cuda")
-                pool.store_kv(0, kv[0], kv[1], slots)
-            self.kv = pool.view(0)
-            stored = pool.config.kv_dtype.bytes_per_page(1, PAGE, HKV, DIM) // PAGE
+        # K/V through a pool of the format, a sequence at a time, as the engine stores them
+        pool = KVPool(PoolConfig(1, HKV, DIM, PAGE, kv_dtype=kv_dtype, num_pages=num_pages, device="cuda"))
+        for s in seqs:
+            kv = torch.randn(2, cached + new, HKV, DIM, dtype=DTYPE, device="cuda")
+            pool.store_kv(0, kv[0], kv[1], pool.slots(s.pages, 0, cached + new))
+        self.kv = pool.view(0)
+        stored = pool.config.kv_dtype.bytes_per_page(1, PAGE, HKV, DIM) // PAGE  # K and V (and scales) per token
         t = self.batch.num_tokens
         self.q = torch.randn(t, HQ, DIM, dtype=DTYPE, device="cuda")
         self.k = torch.randn(t, HKV, DIM, dtype=DTYPE, device="cuda")
         self.v = torch.randn(t, HKV, DIM, dtype=DTYPE, device="cuda")
-        self.kv_bytes = sum(self.batch.seq_lens) * stored  # K and V (and their scales) read once
+        self.kv_bytes = sum(self.batch.seq_lens) * stored  # read once
         # multiply-adds of QK^T and PV over the causal pattern, 2 flops each
         pairs = sum(sum(range(s - n + 1, s + 1)) for n, s in zip(self.batch.qo_lens, self.batch.seq_lens))
         self.flops = 4 * HQ * DIM * pairs
@@ -231,7 +225,8 @@ def main() -> int:
                 print(f"{fmt_name:<8}{n:<16}  skipped: {out}")
                 rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "skipped": out})
                 continue
-            base.setdefault(n, ms) if fmt_name == "bf16" else None
+            if fmt_name == "bf16":
+                base[n] = ms
             speedup = base[n] / ms if n in base else None
             gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
             d = max_diff(out, ref)
