@@ -33,10 +33,6 @@ def compile_kernel(kernel, dtype, kv=None, **constexprs):
     parameters, staging and row map, and the new tokens' K/V in ``dtype`` (``INT4_KV``);
     otherwise the caches are ``dtype`` too and the format pointers (unused) take the
     caches, as ``TritonBackend.forward`` passes them."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     signature = {}
     for param in kernel.params:
         name = param.name
@@ -52,8 +48,18 @@ def compile_kernel(kernel, dtype, kv=None, **constexprs):
             signature[name] = "fp32" if name in FLOATS else "i32"
     missing = {n for n, t in signature.items() if t == "constexpr"} - set(constexprs)
     assert not missing, f"give values for {missing}"
-    target = GPUTarget("cuda", 90, 32)
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target)
+    compile_sm90(kernel, signature, constexprs)
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, options: dict | None = None) -> None:
+    """``triton.compile`` of ``kernel`` for sm_90 (no GPU needed); RuntimeError when no
+    cubin comes out."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
     if not compiled.asm.get("cubin"):
         raise RuntimeError(f"{kernel.__name__}: no cubin")
 
@@ -116,14 +122,19 @@ def _compile_job(job) -> None:
     compile_kernel(getattr(tb, name), dtype, kv, **constexprs)
 
 
-def compile_all() -> int:
-    """Compile every job, on every core (a cold Triton cache takes minutes)."""
+def compile_in_parallel(job, todo: list) -> int:
+    """``job(item)`` for every item, on every core (a cold Triton cache takes minutes);
+    the number of items."""
     from concurrent.futures import ProcessPoolExecutor
 
-    todo = jobs()
     with ProcessPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        list(pool.map(_compile_job, todo))
+        list(pool.map(job, todo))
     return len(todo)
+
+
+def compile_all() -> int:
+    """Compile every job."""
+    return compile_in_parallel(_compile_job, jobs())
 
 
 def test_every_kernel_variant_compiles_for_sm90():

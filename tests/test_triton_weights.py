@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 pytest.importorskip("triton")
 
 from test_attention import device_for
+from test_triton_compile import compile_in_parallel, compile_sm90
 from benchmarks.common import random_blocks  # random bytes in a type's block layout, finite fp16 scales
 from radixkv.kernels import triton_weights as tw
 from radixkv.kernels.triton_weights import TritonPackedMatrix
@@ -173,32 +174,15 @@ def variants() -> list[tuple[int, str, int]]:
 
 def compile_variant(variant) -> None:
     """Compile ``_qlinear`` for sm_90 as ``linear`` launches it on a GPU (256 columns)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     type_id, dtype, tokens = variant
-    layout, cols = tw.LAYOUTS[type_id], 256
+    layout, cols, tile = tw.LAYOUTS[type_id], 256, tw.tile(tokens)
     signature = {"x": f"*{dtype}", "codes": "*i8" if layout.signed else "*u8", "scales": "*fp32", "mins": "*fp32",
                  "out": f"*{dtype}", "M": "i32", "N": "i32"}  # fmt: skip
     constexprs = dict(K=cols, NIBBLES=layout.nibbles, GROUP=layout.group, OFFSET=layout.offset,
-                      HAS_MIN=layout.has_min, NATIVE_DOT=dtype != "fp32", BLOCK_M=tw.tile(tokens).block_m,
-                      BLOCK_N=tw.tile(tokens).block_n, BLOCK_K=tw.block_k(cols))  # fmt: skip
+                      HAS_MIN=layout.has_min, NATIVE_DOT=dtype != "fp32", BLOCK_M=tile.block_m,
+                      BLOCK_N=tile.block_n, BLOCK_K=tw.block_k(cols))  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
-    options = {"num_warps": tw.tile(tokens).warps, "num_stages": tw.tile(tokens).stages}
-    compiled = triton.compile(ASTSource(fn=tw._qlinear, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
-    if not compiled.asm.get("cubin"):
-        raise RuntimeError(f"{variant}: no cubin")
-
-
-def compile_all() -> int:
-    from concurrent.futures import ProcessPoolExecutor
-
-    todo = variants()
-    with ProcessPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        list(pool.map(compile_variant, todo))
-    return len(todo)
+    compile_sm90(tw._qlinear, signature, constexprs, {"num_warps": tile.warps, "num_stages": tile.stages})
 
 
 def test_every_kernel_variant_compiles_for_sm90():
@@ -211,4 +195,4 @@ def test_every_kernel_variant_compiles_for_sm90():
 
 
 if __name__ == "__main__":
-    print(f"compiled {compile_all()} weight kernel variants for sm_90")
+    print(f"compiled {compile_in_parallel(compile_variant, variants())} weight kernel variants for sm_90")
