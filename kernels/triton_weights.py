@@ -28,15 +28,14 @@ a tile of ``BLOCK_M`` tokens by ``BLOCK_N`` rows and loops over the columns in s
 the rows' codes and their groups' scales (and mins), dequantizes the ``[BLOCK_N,
 BLOCK_K]`` tile to float32 in registers and multiplies it with ``tl.dot`` into a
 float32 accumulator: for half-precision ``x`` on a GPU, the tile rounded to ``x``'s
-dtype (tensor cores); for float32 ``x`` (and under ``TRITON_INTERPRET=1``, which
-computes bf16 wrongly) in IEEE float32. No dense copy of the matrix is ever made. The
+dtype (tensor cores); for float32 ``x`` (and for CPU tensors: the interpreter, which
+computes bf16 dots wrongly) in IEEE float32. No dense copy of the matrix is ever made. The
 kernel is the same whatever the batch (``dense`` is accepted and ignored), but a
 token's result may depend on the tile size chosen for the call's token count.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -335,13 +334,12 @@ class TritonPackedMatrix:
         out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
         if tokens == 0:
             return out.view(*lead, rows)
-        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         t = tile(tokens)
         mins = self.scales if self.mins is None else self.mins  # (unused without HAS_MIN)
         _qlinear[(triton.cdiv(rows, t.block_n), triton.cdiv(tokens, t.block_m))](
             x2, self.codes, self.scales, mins, out, tokens, rows,
             K=self.cols, NIBBLES=self.layout.nibbles, GROUP=self.layout.group, OFFSET=self.layout.offset,
-            HAS_MIN=self.layout.has_min, NATIVE_DOT=not interpret and x.dtype != torch.float32,
+            HAS_MIN=self.layout.has_min, NATIVE_DOT=x.is_cuda and x.dtype != torch.float32,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k(self.cols), num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
         return out.view(*lead, rows)
