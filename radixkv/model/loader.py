@@ -264,12 +264,10 @@ NATIVE_DTYPES = {"cpu": (torch.float32,), "cuda": (torch.float32, torch.bfloat16
 def check_native(device: str, dtype: torch.dtype) -> None:
     """ValueError unless native weights compute in ``dtype`` on ``device``: float32 on
     the CPU (the C kernels), float32, bfloat16 or float16 on a CUDA device (Triton)."""
-    kind = device.split(":")[0]
-    allowed = NATIVE_DTYPES.get(kind, ())
-    if dtype not in allowed:
-        names = lambda ds: ", ".join(str(d).removeprefix("torch.") for d in ds)  # noqa: E731
-        raise ValueError(f"weights native computes in {names(NATIVE_DTYPES['cpu'])} on the CPU and in "
-                         f"{names(NATIVE_DTYPES['cuda'])} on a CUDA device, not {names([dtype])} on {device}")  # fmt: skip
+    if dtype not in NATIVE_DTYPES.get(device.split(":")[0], ()):
+        cpu, cuda = (", ".join(str(d).removeprefix("torch.") for d in NATIVE_DTYPES[k]) for k in ("cpu", "cuda"))
+        raise ValueError(f"weights native computes in {cpu} on the CPU and in {cuda} on a CUDA device, not "
+                         f"{str(dtype).removeprefix('torch.')} on {device}")  # fmt: skip
 
 
 @lru_cache(maxsize=2)
