@@ -8,12 +8,17 @@ on = cache off in any format. (int4 reads its own page's new tokens from the for
 ``k``/``v``, which are what the pool staged: see below.)
 
 int8 (the ``int8`` format): codes c and, per (slot, KV head), a byte b naming the row's
-scale (``scales[b]``, the format's ``log_scales`` table); the stored row is ``y = c *
-scale``, the original ``x = y @ R^T`` (``R`` the format's rotation). The kernels read
+scale (entry b of the format's ``log_scales`` table, which the kernels compute from b:
+``_log_scale``); the stored row is ``y = c * scale``, the original ``x = y @ R^T`` (``R`` the format's rotation). The kernels read
 the codes in tiles and fold the scales into the products (``q . y = scale * (q . c)``,
 ``sum p y = (p * scale) @ c``); nothing is dequantized to memory. The rotation stays outside the kernels: ``q . x = (q @ R) . y`` and
 ``sum p x = (sum p y) @ R^T``, so ``forward`` rotates the queries before and the output
-(float32) back after them, two ``[T * Hq, D] x [D, D]`` matmuls per layer.
+(float32) back after them, two ``[T * Hq, D] x [D, D]`` matmuls per layer. On the GPU
+(tensor-core dots) K's codes go to the dot as 8-bit values, read as a ``[D, BLOCK_N]``
+tile so that the dot's reduced dimension is the contiguous one; V's, whose reduced
+dimension (positions) is not, are turned into the queries' half dtype in registers first
+(``_int8_to_half``, byte permutes rather than conversion instructions), because Triton
+reads a transposed 8-bit operand from shared memory a byte at a time.
 
 int4 (``int4``, ``int4_norot``; quantized on seal, see ``radixkv.cache.sealing``): a
 sealed page holds 4-bit codes two to a byte (``[P, page_size, H, D / 2]``, the even
@@ -77,11 +82,13 @@ to fp32 and multiplied in IEEE fp32.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from radixkv.cache.formats import SCALE_STEPS
 from radixkv.kernels.base import AttentionBackend
 
 _NEG_INF = tl.constexpr(float("-inf"))
@@ -102,6 +109,87 @@ def _load(ptrs, mask, USE_MASK: tl.constexpr):
     else:
         x = tl.load(ptrs)
     return x
+
+
+# int8's scale bytes: b stands for 2 ** ((b - 128) / SCALE_STEPS) (the format's
+# ``log_scales`` table). With b - 128 = 8 q + j that is 2 ** q * 2 ** (j / 8): the power of two
+# is built in the exponent bits, the fraction is one of eight float32 constants, and their
+# product is exact, so every entry equals the table's (tested) without reading it.
+if SCALE_STEPS != 8:
+    raise ImportError(f"the Triton int8 kernels are written for SCALE_STEPS = 8, not {SCALE_STEPS}")
+_ROOTS = [tl.constexpr(2.0 ** (j / 8)) for j in range(8)]
+_R1, _R2, _R3, _R4, _R5, _R6, _R7 = _ROOTS[1:]
+
+
+@triton.jit
+def _log_scale(b):
+    """The float32 scale a log-scale byte (uint8 tensor) stands for, computed, not looked up:
+    a gather from a table would be one more dependent memory access per block."""
+    b = b.to(tl.int32)
+    j = b & 7
+    root = tl.where(j < 4, tl.where(j < 2, tl.where(j == 0, 1.0, _R1), tl.where(j == 2, _R2, _R3)),
+                    tl.where(j < 6, tl.where(j == 4, _R4, _R5), tl.where(j == 6, _R6, _R7)))  # fmt: skip
+    power = (((b >> 3) - 16 + 127) << 23).to(tl.float32, bitcast=True)  # 2 ** q, q = (b >> 3) - 16 in -16..15
+    return root * power
+
+
+@triton.jit
+def scales_of_bytes(b_ptr, out_ptr):
+    """``out[i] = _log_scale(b[i])`` for 256 bytes: how tests check it against the table."""
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, _log_scale(tl.load(b_ptr + i)))
+
+
+# int8 codes to half precision without the conversion instructions (I2F, F2F), which an
+# H100/H200 SM issues at a quarter of its integer and float rate and which bound the int8
+# decode loop: four codes at a time, bytes permuted into float bit patterns (PRMT), one
+# subtraction each, as FasterTransformer converts 8-bit weights. bf16: c + 128 becomes the
+# low byte of the float32 2^23 + (c + 128); minus 2^23 + 128 leaves c, exact in bf16's 8
+# significant bits, so its upper half is c as a bf16. fp16: c + 128 becomes the low byte of
+# the fp16 1024 + (c + 128); minus 1152 leaves c.
+_I8_TO_BF16 = tl.constexpr("""{
+.reg .b32 u, f0, f1, f2, f3;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 f0, u, 0x4B000000, 0x7650;
+prmt.b32 f1, u, 0x4B000000, 0x7651;
+prmt.b32 f2, u, 0x4B000000, 0x7652;
+prmt.b32 f3, u, 0x4B000000, 0x7653;
+sub.f32 f0, f0, 0f4B000080;
+sub.f32 f1, f1, 0f4B000080;
+sub.f32 f2, f2, 0f4B000080;
+sub.f32 f3, f3, 0f4B000080;
+prmt.b32 $0, f0, f1, 0x7632;
+prmt.b32 $1, f2, f3, 0x7632;
+}""")
+_I8_TO_FP16 = tl.constexpr("""{
+.reg .b32 u, h0, h1, m;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 h0, u, 0x64646464, 0x4140;
+prmt.b32 h1, u, 0x64646464, 0x4342;
+mov.b32 m, 0x64806480;
+sub.f16x2 $0, h0, m;
+sub.f16x2 $1, h1, m;
+}""")
+
+
+@triton.jit
+def _int8_to_half(c, dtype: tl.constexpr):
+    """int8 codes (a tensor) as ``dtype``, bf16 or fp16, exactly (GPU only: PTX). Not
+    pure, so Triton keeps it where it is, before the tile goes through shared memory for
+    the dot: the tile crosses as 16-bit values, which the transposed operand loads
+    (``ldmatrix.trans``) take, where 8-bit ones would be read a byte at a time."""
+    if dtype == tl.bfloat16:
+        h = tl.inline_asm_elementwise(_I8_TO_BF16, "=r,=r,r", [c], dtype=tl.bfloat16, is_pure=False, pack=4)
+    else:
+        h = tl.inline_asm_elementwise(_I8_TO_FP16, "=r,=r,r", [c], dtype=tl.float16, is_pure=False, pack=4)
+    return h
+
+
+@triton.jit
+def codes_as_half(c_ptr, out_ptr):
+    """``out[i] = _int8_to_half(c[i])`` for 256 codes, in ``out``'s dtype (GPU only)."""
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, _int8_to_half(tl.load(c_ptr + i), out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -135,7 +223,7 @@ def _sealed4(
     ``[BLOCK_N, BLOCK_D]`` and its per-token scale and offset ``[BLOCK_N]``; zeros
     for positions not read. K's parameters are loaded once per run of ``PARAM_RUN``
     positions in one page (``[BLOCK_N / PARAM_RUN, BLOCK_D]``)."""
-    k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
+    k_cache, v_cache, k_params, v_params, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
     stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh = strides
     seal = start + tl.arange(0, BLOCK_N) < limit
     d2 = tl.arange(0, BLOCK_D // 2)
@@ -167,7 +255,7 @@ def _own_rows(
     tokens cached before ``new_start`` from their page's staging slot, this call's from
     ``k_new``/``v_new`` (token ``tok0 + pos``). ``ROTATED``: turned into the stored rows'
     basis (``x @ R``; ``basis`` holds ``M = R^T``, the format's ``row_map``)."""
-    k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
+    k_cache, v_cache, k_params, v_params, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
     stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh = strides
     want = (pos >= own_lo) & (pos < seq_len)
     cached = want & (pos < new_start)
@@ -208,15 +296,14 @@ def _attend_block(
     (inside the sequence, before the first row's position, no window): no bounds, causal
     or -inf handling.
 
-    ``caches``: the K/V caches, their parameters (``k_params``, ``v_params``), int8's
-    scale table, and int4's full-precision rows (``k_new``, ``v_new``, ``k_stage``,
+    ``caches``: the K/V caches, their parameters (``k_params``, ``v_params``), and int4's full-precision rows (``k_new``, ``v_new``, ``k_stage``,
     ``v_stage``, ``slot_of``) and ``basis``; ``strides``: the caches' per slot and
     head, the parameters' (V: per slot and head; int4's K: per page and head) and the
     full-precision rows' (per row and head, shared by staging and the new tokens).
     The new tokens are positions ``new_start`` on, token ``tok0 + pos`` of the forward.
 
     ``INT8_KV``: the caches hold int8 codes c and ``k_params``/``v_params`` a byte b per
-    (slot, head); a stored element is ``c * scales[b]``. The scales are folded in, never
+    (slot, head); a stored element is ``c * _log_scale(b)``. The scales are folded in, never
     applied to a tile: ``q . y = scale * (q . c)`` and ``sum_j p_j y_j = (p * scale) @
     c``.
 
@@ -224,7 +311,7 @@ def _attend_block(
     ``OWN`` (the block may hold a row's own page, whose positions it then reads in full
     precision, ``_own_rows``) each (row, position) takes one or the other. Without
     ``OWN`` every position is before every row's own page."""
-    k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
+    k_cache, v_cache, k_params, v_params, k_new, v_new, k_stage, v_stage, slot_of, basis = caches
     stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh = strides
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < seq_len  # (every position, unless MASKED)
@@ -251,13 +338,15 @@ def _attend_block(
     else:
         offs = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kvmask = valid[:, None] & dmask[None, :]
-        k = _load(k_cache + offs, kvmask, MASKED or not EVEN_D)
         v = _load(v_cache + offs, kvmask, MASKED or not EVEN_D)
-        s = _mma(qv, tl.trans(k), qv, NATIVE_DOT)  # int8 codes -128..127 are exact in fp16 and bf16
+        if INT8_KV and NATIVE_DOT:
+            v = _int8_to_half(v, qv.dtype)
+        kt = _load(k_cache + tl.trans(offs), tl.trans(kvmask), MASKED or not EVEN_D)  # K^T: [BLOCK_D, BLOCK_N]
+        s = _mma(qv, kt, qv, NATIVE_DOT)  # int8 codes -128..127 are exact in fp16 and bf16
         if INT8_KV:  # positions past the sequence read byte 0 (a valid entry), then weigh 0
             poffs = slot * stride_ps + kvh * stride_ph  # each position's scale byte
-            k_scale = tl.load(scales + _load(k_params + poffs, valid, MASKED).to(tl.int32))
-            v_scale = tl.load(scales + _load(v_params + poffs, valid, MASKED).to(tl.int32))
+            k_scale = _log_scale(_load(k_params + poffs, valid, MASKED))
+            v_scale = _log_scale(_load(v_params + poffs, valid, MASKED))
             s = s * k_scale[None, :]
     if USE_SOFTCAP:
         s = softcap * _tanh(s * (scale / softcap)) * _LOG2E
@@ -294,7 +383,7 @@ def _attend_block(
 
 @triton.jit
 def _decode_partial(
-    q, k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis,
+    q, k_cache, v_cache, k_params, v_params, k_new, v_new, k_stage, v_stage, slot_of, basis,
     kv_indptr, kv_indices, seq_lens, mid_o, mid_lse,
     scale, softcap, window, chunk,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh,
@@ -323,7 +412,7 @@ def _decode_partial(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     lo = split * chunk
     q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
-    caches = (k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis)
+    caches = (k_cache, v_cache, k_params, v_params, k_new, v_new, k_stage, v_stage, slot_of, basis)
     strides = (stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh)
     new_start = seq_len - 1  # the one new token: token b of the forward
     tok0 = b - new_start
@@ -383,7 +472,7 @@ def _decode_reduce(
 
 @triton.jit
 def _extend(
-    q, o, k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis,
+    q, o, k_cache, v_cache, k_params, v_params, k_new, v_new, k_stage, v_stage, slot_of, basis,
     qo_indptr, kv_indptr, kv_indices, seq_lens,
     scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_ps, stride_ph,
@@ -426,7 +515,7 @@ def _extend(
     m_i = tl.full([BLOCK_M], _NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    caches = (k_cache, v_cache, k_params, v_params, scales, k_new, v_new, k_stage, v_stage, slot_of, basis)
+    caches = (k_cache, v_cache, k_params, v_params, k_new, v_new, k_stage, v_stage, slot_of, basis)
     strides = (stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph, stride_fs, stride_fh)
     new_start = seq_len - qo_len  # position new_start + i is token qo_start + i of the forward
     tok0 = qo_start - new_start
@@ -475,6 +564,17 @@ def _extend(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(o.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """How the decode kernel runs: context positions per loop step, warps, pipeline stages
+    (1: none), and the most slices a sequence's context is split into."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    max_splits: int
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -527,7 +627,14 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     quantized_dtypes = frozenset({torch.int8, torch.uint8})  # the int8 format's pages and int4's (codes two to a byte)
-    BLOCK_N = 16  # decode: context positions per loop step
+    # decode: context positions per loop step, warps, pipeline stages and most splits of the
+    # context, by the kind of KV read (``_kv_kind``); kinds without an entry (int4) take
+    # DECODE. Measured on an H200 (bench_attention, 2026-11-27, see RESULTS): bf16 pages
+    # 64 x 4 warps (0.255 ms for 8 x 32k against 0.306 at 16); int8 pages 128 positions a
+    # step (the same bytes as 64 bf16 rows) without software pipelining and in 32 splits.
+    DECODE = DecodeTile(16, 4, 3, 16)
+    DECODE_BY_KIND = {None: DecodeTile(64, 4, 3, 16), "int8": DecodeTile(128, 4, 1, 32)}
+    TOKENS_PER_SPLIT = 256  # aim: each decode program streams at least this much context
     # extend (BLOCK_M query rows, BLOCK_N context positions), warps, pipeline stages.
     # Half-precision KV on an H100 (bench_attention's extend problem, 2026-11-22, with
     # unmasked interior blocks and exp2): 128x64 packed 0.74 ms, per head 0.78; 128x32
@@ -538,14 +645,12 @@ class TritonBackend(AttentionBackend):
     EXTEND_WARPS = 4
     PACK_GQA = True  # extend rows hold all query heads of a KV head: K/V read once per group
     EXTEND_STAGES = 3
-    MAX_SPLITS = 16
-    TOKENS_PER_SPLIT = 256  # aim: each decode program streams at least this much context
-    DECODE_LAUNCH: dict = {}  # decode kernel's num_warps / num_stages (empty: Triton's defaults, 4 warps, 3 stages)
 
     def __init__(self):
         self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         if self.interpret:  # the interpreter pays per program and per loop step, not per element
-            self.BLOCK_N = 64
+            self.DECODE = DecodeTile(64, 4, 3, 16)
+            self.DECODE_BY_KIND = {}
             self.EXTEND_HALF = self.EXTEND_FP32 = (64, 64)
 
     def plan(self, batch) -> None:
@@ -555,12 +660,6 @@ class TritonBackend(AttentionBackend):
         self.max_seq_len = max(batch.seq_lens)
         self.max_qo_len = max(batch.qo_lens)
         self.decode = self.max_qo_len == 1
-        splits = 1
-        while splits < self.MAX_SPLITS and splits * self.TOKENS_PER_SPLIT < self.max_seq_len:
-            splits *= 2
-        self.num_splits = splits
-        per_split = -(-self.max_seq_len // splits)
-        self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         # The new tokens' K/V are read from ``kv`` (the pool stored them before this
@@ -593,11 +692,11 @@ class TritonBackend(AttentionBackend):
         window = int(sliding_window or 0)
         stride_cs, stride_ch = k_cache.stride(1), k_cache.stride(2)  # per slot, per head
         # unused by the kernels unless their format's flag is set: any pointer will do
-        k_params, v_params, scales = k_cache, v_cache, k_cache
+        k_params, v_params = k_cache, v_cache
         k_new, v_new, k_stage, v_stage, slot_of, basis = k_cache, v_cache, k_cache, v_cache, k_cache, k_cache
         stride_ps = stride_ph = stride_kp = stride_kph = stride_fs = stride_fh = 0
         if kind == "int8":
-            k_params, v_params, scales = kv.k_params, kv.v_params, kv.format.log_scales(q.device)
+            k_params, v_params = kv.k_params, kv.v_params
             stride_ps, stride_ph = k_params.stride(1), k_params.stride(2)
         elif kind == "int4":
             k_params, v_params = kv.k_params, kv.v_params
@@ -615,20 +714,23 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q) if unrotate is None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode:
             b = q.shape[0]
-            mid_o = torch.empty(b * hq * self.num_splits, dim, dtype=torch.float32, device=q.device)
-            mid_lse = torch.empty(b * hq * self.num_splits, dtype=torch.float32, device=q.device)
-            _decode_partial[(b, hkv, self.num_splits)](
-                q, k_cache, v_cache, k_params, v_params, scales, *rows,
-                batch.kv_indptr, batch.kv_indices, self.seq_lens, mid_o, mid_lse, scale, softcap, window, self.chunk,
+            tile = self.DECODE_BY_KIND.get(kind, self.DECODE)
+            block_n, splits = tile.block_n, self._splits(tile.max_splits)
+            chunk = triton.cdiv(triton.cdiv(self.max_seq_len, splits), block_n) * block_n  # whole blocks a split
+            mid_o = torch.empty(b * hq * splits, dim, dtype=torch.float32, device=q.device)
+            mid_lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
+            _decode_partial[(b, hkv, splits)](
+                q, k_cache, v_cache, k_params, v_params, *rows,
+                batch.kv_indptr, batch.kv_indices, self.seq_lens, mid_o, mid_lse, scale, softcap, window, chunk,
                 q.stride(0), q.stride(1), stride_cs, stride_ch, stride_ps, stride_ph, stride_kp, stride_kph,
                 stride_fs, stride_fh,
-                BLOCK_H=_pow2(group), BLOCK_N=self.BLOCK_N, NUM_SPLITS=self.num_splits,
-                NUM_BLOCKS=self._static_blocks(self.chunk, self.BLOCK_N),
-                PARAM_RUN=_param_run(page_size, self.BLOCK_N), **flags, **self.DECODE_LAUNCH,
+                BLOCK_H=_pow2(group), BLOCK_N=block_n, NUM_SPLITS=splits,
+                NUM_BLOCKS=self._static_blocks(chunk, block_n), PARAM_RUN=_param_run(page_size, block_n),
+                **flags, num_warps=tile.num_warps, num_stages=tile.num_stages,
             )  # fmt: skip
             _decode_reduce[(b, hq)](
                 mid_o, mid_lse, out, out.stride(0), out.stride(1),
-                HEAD_DIM=dim, BLOCK_D=_pow2(dim), NUM_SPLITS=self.num_splits, BLOCK_S=_pow2(self.num_splits, 2),
+                HEAD_DIM=dim, BLOCK_D=_pow2(dim), NUM_SPLITS=splits, BLOCK_S=_pow2(splits, 2),
             )  # fmt: skip
         else:
             block_m, block_n = self.EXTEND_HALF if native else self.EXTEND_FP32
@@ -636,7 +738,7 @@ class TritonBackend(AttentionBackend):
             block_q = block_m // group if pack else block_m
             grid = (hkv if pack else hq, triton.cdiv(self.max_qo_len, block_q), len(batch.qo_lens))
             _extend[grid](
-                q, out, k_cache, v_cache, k_params, v_params, scales, *rows,
+                q, out, k_cache, v_cache, k_params, v_params, *rows,
                 batch.qo_indptr, batch.kv_indptr, batch.kv_indices, self.seq_lens, scale, softcap, window,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_cs, stride_ch, stride_ps, stride_ph,
                 stride_kp, stride_kph, stride_fs, stride_fh,
@@ -647,6 +749,14 @@ class TritonBackend(AttentionBackend):
         if unrotate is not None:  # sum p (y M) = (sum p y) M
             out = (out @ unrotate).to(out_dtype)
         return out
+
+    def _splits(self, most: int) -> int:
+        """Slices of the context per decode sequence: doubled up to ``most`` while each
+        still streams ``TOKENS_PER_SPLIT`` positions or more."""
+        splits = 1
+        while splits < most and splits * self.TOKENS_PER_SPLIT < self.max_seq_len:
+            splits *= 2
+        return splits
 
     def _static_blocks(self, tokens: int, block: int) -> int:
         """Trip count for the interpreter's constant loops (1 when compiled: unused)."""

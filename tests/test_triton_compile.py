@@ -16,17 +16,17 @@ import pytest
 
 POINTERS = {"mid_o": "*fp32", "mid_lse": "*fp32",
             "kv_indptr": "*i32", "kv_indices": "*i32", "seq_lens": "*i32", "qo_indptr": "*i32"}  # fmt: skip
-DATA = {"q", "o", "k_cache", "v_cache", "k_params", "v_params", "scales",
+DATA = {"q", "o", "k_cache", "v_cache", "k_params", "v_params",
         "k_new", "v_new", "k_stage", "v_stage", "slot_of", "basis"}  # fmt: skip
-INT8 = {"o": "*fp32", "k_cache": "*i8", "v_cache": "*i8", "k_params": "*u8", "v_params": "*u8", "scales": "*fp32"}
+INT8 = {"o": "*fp32", "k_cache": "*i8", "v_cache": "*i8", "k_params": "*u8", "v_params": "*u8"}
 # int4: packed codes, fp16 (scale, offset) pairs, float32 staging rows and their page map, the row map
-INT4_PAGES = {"k_cache": "*u8", "v_cache": "*u8", "k_params": "*fp16", "v_params": "*fp16", "scales": "*u8",
+INT4_PAGES = {"k_cache": "*u8", "v_cache": "*u8", "k_params": "*fp16", "v_params": "*fp16",
               "k_stage": "*fp32", "v_stage": "*fp32", "slot_of": "*i64", "basis": "*fp32"}  # fmt: skip
 KV_POINTERS = {"i8": INT8, "u4": {**INT4_PAGES, "o": "*fp32"}, "u4_norot": INT4_PAGES}
 FLOATS = {"scale", "softcap"}
 
 
-def compile_kernel(kernel, dtype, kv=None, **constexprs):
+def compile_kernel(kernel, dtype, kv=None, options=None, **constexprs):
     """Compile ``kernel`` for sm_90 with its data pointers of ``dtype``. ``kv="i8"``: int8
     caches with a log-scale byte per row, the scale table, and a float32 output (``INT8_KV``);
     ``kv="u4"`` (rotated: a float32 output) or ``"u4_norot"``: int4 pages, their
@@ -48,7 +48,7 @@ def compile_kernel(kernel, dtype, kv=None, **constexprs):
             signature[name] = "fp32" if name in FLOATS else "i32"
     missing = {n for n, t in signature.items() if t == "constexpr"} - set(constexprs)
     assert not missing, f"give values for {missing}"
-    compile_sm90(kernel, signature, constexprs)
+    compile_sm90(kernel, signature, constexprs, options)
 
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, options: dict | None = None) -> None:
@@ -84,6 +84,7 @@ VARIANTS = [
     ("fp32", False, True, False, True, 3, "u4", 1),
 ]
 INT4_KV = ("u4", "u4_norot")
+KINDS = {None: None, "i8": "int8", "u4": "int4", "u4_norot": "int4"}  # the backend's name of each cache kind
 
 
 def blocks(page_size: int, block_n: int) -> dict:
@@ -107,6 +108,10 @@ def jobs() -> list[tuple[str, str, str | None, dict]]:
         if kv not in INT4_KV:  # (int4 reads K/V the same in either row layout)
             out.append(("_extend", dtype, kv, dict(BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **small)))
         if native and dynamic:  # the tiles the GPU runs for half-precision queries (and KV, or int8/int4 KV)
+            tile = tb.TritonBackend.DECODE_BY_KIND.get(KINDS[kv], tb.TritonBackend.DECODE)
+            decode = dict(BLOCK_H=16, NUM_SPLITS=tile.max_splits, **flags, **ATTN, **blocks(page_size, tile.block_n))
+            out.append(("_decode_partial", dtype, kv, {**decode, "options": dict(num_warps=tile.num_warps,
+                                                                                 num_stages=tile.num_stages)}))
             block_m, block_n = tb.TritonBackend.EXTEND_HALF
             tiles = dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, PACK_GQA=True, **blocks(page_size, block_n))
             out.append(("_extend", dtype, kv, {**flags, **ATTN, **tiles}))
@@ -142,8 +147,9 @@ def test_every_kernel_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    # per variant: decode, extend packed, extend per head (not int4) (+ the GPU's half tiles); 3 reduces
-    expected = sum(2 + (v[6] not in INT4_KV) + (v[1] and v[2]) for v in VARIANTS) + 3
+    # per variant: decode, extend packed, extend per head (not int4) (+ the GPU's decode and extend
+    # tiles for half-precision queries); 3 reduces
+    expected = sum(2 + (v[6] not in INT4_KV) + 2 * (v[1] and v[2]) for v in VARIANTS) + 3
     assert f"compiled {expected} kernel variants for sm_90" in out.stdout
 
 

@@ -56,6 +56,21 @@ def test_int8_matches_dequantize_then_attend(lens, prefixes, page_size, hq, hkv,
         check_against_dense(impl, case, lens, scale=dim**-0.5, window=window, softcap=softcap, tol=2e-5)
 
 
+def test_decode_takes_its_kinds_tile():
+    """Decode runs with the tile of the KV kind it reads (``DECODE_BY_KIND``): another
+    block, another split count, and the answers stay those of the dense reference."""
+    from radixkv.kernels.triton_backend import DecodeTile
+
+    lens, prefixes = [1, 1, 1], [70, 9, 33]
+    case = on_device(int8_case(5, lens, prefixes, 1, 6, 2, 16)[0])
+    for tile, per_split, splits in ((DecodeTile(16, 4, 1, 4), 16, 4), (DecodeTile(32, 4, 2, 8), 256, 1)):
+        impl = triton_backend()
+        impl.DECODE_BY_KIND = {"int8": tile}
+        impl.TOKENS_PER_SPLIT = per_split
+        check_against_dense(impl, case, lens, scale=0.25, tol=2e-5)
+        assert impl._splits(tile.max_splits) == splits  # the longest context, 71 positions, in this many
+
+
 def test_int8_extend_one_query_head_per_program():
     """The extend kernel's other row layout (one query head per program, no GQA packing)."""
     lens, prefixes = [5, 20], [40, 3]
@@ -75,6 +90,33 @@ def test_half_queries_over_int8(dtype, tol):
     case = (batch, q.to(dtype), k.to(dtype), v.to(dtype), kv, dense_k, dense_v)
     out = check_against_dense(triton_backend(), case, lens, scale=0.25, tol=tol)
     assert out.dtype == dtype and out.shape == q.shape
+
+
+def test_computed_scales_equal_the_table_bit_for_bit():
+    """The kernels compute a scale byte's value (``_log_scale``) instead of reading the
+    format's table: every one of the 256 bytes gives the table's float32 exactly, so the
+    kernels and the torch path scale rows alike."""
+    from radixkv.cache.formats import kv_format
+    from radixkv.kernels.triton_backend import scales_of_bytes
+
+    table = kv_format("int8").log_scales(DEVICE)
+    out = torch.full((256,), float("nan"), device=DEVICE)
+    scales_of_bytes[(1,)](torch.arange(256, dtype=torch.uint8, device=DEVICE), out)
+    assert torch.equal(out.view(torch.int32), table.view(torch.int32))
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="PTX: compiled Triton on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_codes_convert_to_half_exactly(dtype):
+    """The GPU kernels turn int8 codes into the queries' half dtype with byte permutes
+    (``_int8_to_half``) instead of conversion instructions: every code -128..127 comes out
+    as the value itself."""
+    from radixkv.kernels.triton_backend import codes_as_half
+
+    codes = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
+    out = torch.full((256,), float("nan"), dtype=dtype, device=DEVICE)
+    codes_as_half[(1,)](codes, out)
+    assert torch.equal(out, codes.to(dtype))
 
 
 def test_new_tokens_are_read_as_stored():
