@@ -17,8 +17,9 @@ scattered over the pool:
 
 Every problem's K/V goes into a one-layer pool of its format through ``KVPool.store_kv``,
 as the engine stores it. Each backend is planned once per problem, then ``forward``
-(attention alone: backends read the pool, they do not store) runs over and over; CUDA events, 3 warm-up calls,
-median of ``--repeat``. Backends that are not registered, or whose factory or first call
+(attention alone: backends read the pool, they do not store) runs over and over; CUDA
+events after a warm-up of 3 calls and 0.2 s (an idle GPU clocks down), median of
+``--repeat``. Backends that are not registered, or whose factory or first call
 raises, are listed as skipped with the reason.
 
     .venv/bin/python benchmarks/bench_attention.py [--json benchmarks/out/bench_attention.json]
@@ -30,6 +31,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -50,13 +52,20 @@ EXTEND = {"batch": 8, "cached": 4096, "new": 512}
 LONG_DECODE = {"batch": 8, "cached": 32767, "new": 1}
 LONG_FORMATS = ("bf16", "int8")
 COPY_BYTES = 1 << 30
-WARMUP = 3
+WARMUP = 3  # calls at least,
+WARMUP_S = 0.2  # and seconds at least: an idle GPU's clocks take a while to come back up
 
 
 def cuda_ms(fn, repeat: int) -> float:
-    """Median milliseconds of ``repeat`` calls of ``fn`` after ``WARMUP`` calls, by CUDA events."""
-    for _ in range(WARMUP):
+    """Median milliseconds of ``repeat`` calls of ``fn`` after a warm-up of ``WARMUP``
+    calls and ``WARMUP_S`` seconds, by CUDA events."""
+    calls, begin = 0, time.perf_counter()
+    while calls < WARMUP or time.perf_counter() - begin < WARMUP_S:
         fn()
+        calls += 1
+        if calls % 16 == 0:
+            torch.cuda.synchronize()  # (time the GPU's work, not the launches queued)
+    torch.cuda.synchronize()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
     for start, end in pairs:
         start.record()
@@ -246,7 +255,7 @@ def main() -> int:
     write_result(
         args.json, rows, device=device, torch=torch.__version__, flashinfer=fi_version, copy_gb_s=copy_gb_s,
         dtype="bfloat16", heads={"q": HQ, "kv": HKV}, head_dim=DIM, page_size=PAGE, decode=DECODE, extend=EXTEND, long_decode=LONG_DECODE,
-        repeat=args.repeat, warmup=WARMUP,
+        repeat=args.repeat, warmup={"calls": WARMUP, "seconds": WARMUP_S},
     )  # fmt: skip
     return 0
 
