@@ -301,9 +301,10 @@ class TritonPackedMatrix:
         the matrix's device: an embedding lookup. IndexError for ids outside ``[0, rows)``."""
         if ids is None:
             return self.dequantize()
-        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).to(self.device)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() and bool(((ids < 0) | (ids >= self.shape[0])).any()):  # one sync where ids are on a GPU
             raise IndexError(f"row ids must be in [0, {self.shape[0]})")
+        ids = ids.to(self.device)
         mins = None if self.mins is None else self.mins[ids]
         return self._values(self.codes[ids], self.scales[ids], mins)
 
