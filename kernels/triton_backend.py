@@ -9,11 +9,12 @@ on = cache off in any format. (int4 reads its own page's new tokens from the for
 
 int8 (the ``int8`` format): codes c and, per (slot, KV head), a byte b naming the row's
 scale (entry b of the format's ``log_scales`` table, which the kernels compute from b:
-``_log_scale``); the stored row is ``y = c * scale``, the original ``x = y @ R^T`` (``R`` the format's rotation). The kernels read
-the codes in tiles and fold the scales into the products (``q . y = scale * (q . c)``,
-``sum p y = (p * scale) @ c``); nothing is dequantized to memory. The rotation stays outside the kernels: ``q . x = (q @ R) . y`` and
-``sum p x = (sum p y) @ R^T``, so ``forward`` rotates the queries before and the output
-(float32) back after them, two ``[T * Hq, D] x [D, D]`` matmuls per layer. On the GPU
+``_log_scale``); the stored row is ``y = c * scale``, the original ``x = y @ R^T``
+(``R`` the format's rotation). The kernels read the codes in tiles and fold the scales
+into the products (``q . y = scale * (q . c)``, ``sum p y = (p * scale) @ c``); nothing
+is dequantized to memory. The rotation stays outside the kernels: ``q . x = (q @ R) .
+y`` and ``sum p x = (sum p y) @ R^T``, so ``forward`` rotates the queries before and the
+output (float32) back after them, two ``[T * Hq, D] x [D, D]`` matmuls per layer. On the GPU
 (tensor-core dots) K's codes go to the dot as 8-bit values, read as a ``[D, BLOCK_N]``
 tile so that the dot's reduced dimension is the contiguous one; V's, whose reduced
 dimension (positions) is not, are turned into the queries' half dtype in registers first
@@ -296,8 +297,9 @@ def _attend_block(
     (inside the sequence, before the first row's position, no window): no bounds, causal
     or -inf handling.
 
-    ``caches``: the K/V caches, their parameters (``k_params``, ``v_params``), and int4's full-precision rows (``k_new``, ``v_new``, ``k_stage``,
-    ``v_stage``, ``slot_of``) and ``basis``; ``strides``: the caches' per slot and
+    ``caches``: the K/V caches, their parameters (``k_params``, ``v_params``), and
+    int4's full-precision rows (``k_new``, ``v_new``, ``k_stage``, ``v_stage``,
+    ``slot_of``) and ``basis``; ``strides``: the caches' per slot and
     head, the parameters' (V: per slot and head; int4's K: per page and head) and the
     full-precision rows' (per row and head, shared by staging and the new tokens).
     The new tokens are positions ``new_start`` on, token ``tok0 + pos`` of the forward.
