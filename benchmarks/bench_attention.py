@@ -19,8 +19,10 @@ Every problem's K/V goes into a one-layer pool of its format through ``KVPool.st
 as the engine stores it. Each backend is planned once per problem, then ``forward``
 (attention alone: backends read the pool, they do not store) runs over and over; CUDA
 events after a warm-up of 3 calls and 0.2 s (an idle GPU clocks down), median of
-``--repeat``. Backends that are not registered, or whose factory or first call
-raises, are listed as skipped with the reason.
+``--repeat``; with ``--rounds N`` every backend is timed N times, the backends
+interleaved, and the median of the rounds is reported with their spread. Backends that
+are not registered, or whose factory or first call raises, are listed as skipped with
+the reason.
 
     .venv/bin/python benchmarks/bench_attention.py [--json benchmarks/out/bench_attention.json]
 """
@@ -140,6 +142,27 @@ def run(name: str, p: Problem, repeat: int):
     return ms, out
 
 
+def timed(names: list[str], p: Problem, args, spread: dict) -> dict:
+    """``run`` for every backend in ``names``, ``args.rounds`` times over, the backends
+    interleaved: ``{name: (median ms of the rounds, output)}`` (or ``(None, reason)``);
+    each backend's per-round times go into ``spread[name]``."""
+    results: dict = {}
+    for _ in range(args.rounds):
+        for n in names:
+            ms, out = run(n, p, args.repeat)
+            if ms is None:
+                results[n] = (None, out)
+                continue
+            spread.setdefault(n, []).append(ms)
+            results[n] = (statistics.median(spread[n]), out)
+    return results
+
+
+def rounds_note(times: list[float] | None) -> str:
+    """`` rounds a-b ms`` when a backend was timed more than once, else nothing."""
+    return f"  rounds {min(times):.3f}-{max(times):.3f}" if times and len(times) > 1 else ""
+
+
 def max_diff(out, ref) -> float | None:
     return None if ref is None else float((out.float() - ref.float()).abs().max())
 
@@ -152,6 +175,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="benchmarks/out/bench_attention.json")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1, help="time every backend this many times, interleaved "
+                    "(the median is reported, the spread beside it)")  # fmt: skip
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated names")
     ap.add_argument("--decode-backends", default=None, help="for both decode problems (default: --backends); "
                     "name@N[:W:S[:P]] sets a decode block of N positions (W warps, S stages, up to P splits), "
@@ -171,13 +196,14 @@ def main() -> int:
     torch.cuda.empty_cache()  # the copy buffers are gone once it returns
 
     print(f"{device}, torch {torch.__version__}, flashinfer {fi_version or 'not installed'}")
-    print(f"bf16, heads {HQ}/{HKV}, head_dim {DIM}, page {PAGE}; CUDA events, median of {args.repeat}")
+    print(f"bf16, heads {HQ}/{HKV}, head_dim {DIM}, page {PAGE}; CUDA events, median of {args.repeat}"
+          f"{f', {args.rounds} rounds interleaved' if args.rounds > 1 else ''}")
     print(f"device-to-device copy: {copy_gb_s:,.0f} GB/s (read + write)")
     rows = []
 
     # decode ------------------------------------------------------------------------------
-    p = Problem(**DECODE)
-    results = {n: run(n, p, args.repeat) for n in decode_names}
+    p, spread = Problem(**DECODE), {}
+    results = timed(decode_names, p, args, spread)
     ref = results.get("torch", (None, None))
     ref = ref[1] if ref[0] is not None else None
     ctx = DECODE["cached"] + DECODE["new"]
@@ -190,15 +216,16 @@ def main() -> int:
             continue
         gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
         d = max_diff(out, ref)
-        print(f"{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{gb_s / copy_gb_s:>11.0%} {fmt(d, '.2e', 16)}")
-        rows.append({"case": "decode", "backend": n, "ms": ms, "kv_gb_s": gb_s,
+        print(f"{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{gb_s / copy_gb_s:>11.0%} {fmt(d, '.2e', 16)}"
+              f"{rounds_note(spread.get(n))}")  # fmt: skip
+        rows.append({"case": "decode", "backend": n, "ms": ms, "ms_rounds": spread.get(n), "kv_gb_s": gb_s,
                      "fraction_of_copy_bw": gb_s / copy_gb_s, "max_abs_diff_vs_torch": d})  # fmt: skip
     del p, results, ref
     torch.cuda.empty_cache()
 
     # extend ------------------------------------------------------------------------------
-    p = Problem(**EXTEND)
-    results = {n: run(n, p, args.repeat) for n in names}
+    p, spread = Problem(**EXTEND), {}
+    results = timed(names, p, args, spread)
     ref = results.get("torch", (None, None))
     ref = ref[1] if ref[0] is not None else None
     fi_ms = results.get("flashinfer", (None, None))[0]
@@ -213,8 +240,9 @@ def main() -> int:
         ratio = ms / fi_ms if fi_ms else None
         d = max_diff(out, ref)
         ratio_s = "-" if ratio is None else f"{ratio:.2f}x"
-        print(f"{n:<16}{ms:>9.3f}{tflops:>10.1f}{ratio_s:>14} {fmt(d, '.2e', 16)}")
-        rows.append({"case": "extend", "backend": n, "ms": ms, "tflop_s": tflops,
+        print(f"{n:<16}{ms:>9.3f}{tflops:>10.1f}{ratio_s:>14} {fmt(d, '.2e', 16)}"
+              f"{rounds_note(spread.get(n))}")  # fmt: skip
+        rows.append({"case": "extend", "backend": n, "ms": ms, "ms_rounds": spread.get(n), "tflop_s": tflops,
                      "time_vs_flashinfer": ratio, "max_abs_diff_vs_torch": d})  # fmt: skip
 
     del p, results, ref
@@ -227,8 +255,8 @@ def main() -> int:
     base: dict[str, float] = {}  # bf16's time by backend (variant included), and by backend its fastest variant's
     best: dict[str, float] = {}
     for fmt_name in LONG_FORMATS:
-        p = Problem(**LONG_DECODE, kv_dtype=fmt_name)
-        results = {n: run(n, p, args.repeat) for n in decode_names}
+        p, spread = Problem(**LONG_DECODE, kv_dtype=fmt_name), {}
+        results = timed(decode_names, p, args, spread)
         ref = results.get("torch", (None, None))
         ref = ref[1] if ref[0] is not None else None
         for n, (ms, out) in results.items():
@@ -245,8 +273,9 @@ def main() -> int:
             gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
             d = max_diff(out, ref)
             print(f"{fmt_name:<8}{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{fmt(speedup, '.2f', 8)}x"
-                  f"{fmt(over_best, '.2f', 12)}x {fmt(d, '.2e', 16)}")  # fmt: skip
-            rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "ms": ms, "kv_gb_s": gb_s,
+                  f"{fmt(over_best, '.2f', 12)}x {fmt(d, '.2e', 16)}{rounds_note(spread.get(n))}")  # fmt: skip
+            rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "ms": ms,
+                         "ms_rounds": spread.get(n), "kv_gb_s": gb_s,
                          "speedup_vs_bf16": speedup, "speedup_vs_best_bf16": over_best,
                          "max_abs_diff_vs_torch": d})  # fmt: skip
         del p, results, ref
@@ -255,7 +284,7 @@ def main() -> int:
     write_result(
         args.json, rows, device=device, torch=torch.__version__, flashinfer=fi_version, copy_gb_s=copy_gb_s,
         dtype="bfloat16", heads={"q": HQ, "kv": HKV}, head_dim=DIM, page_size=PAGE, decode=DECODE, extend=EXTEND, long_decode=LONG_DECODE,
-        repeat=args.repeat, warmup={"calls": WARMUP, "seconds": WARMUP_S},
+        repeat=args.repeat, rounds=args.rounds, warmup={"calls": WARMUP, "seconds": WARMUP_S},
     )  # fmt: skip
     return 0
 

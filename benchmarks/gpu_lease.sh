@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_lease.sh prepare   # here, before the lease: .whl/, .ma/, .mb/ (git-ignored locally)
 #   bash benchmarks/gpu_lease.sh kernels   # attention (every KV format), pool; bench_attention, bench_qlinear
 #   bash benchmarks/gpu_lease.sh decode    # int8/bf16 attention tests and the decode kernel's sweep alone
-#                                          # (SWEEP=names overrides bench_attention's --decode-backends)
+#                                          # (SWEEP=names overrides bench_attention's --decode-backends,
+#                                          # ROUNDS=n its --rounds: each backend timed n times, interleaved)
 #   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, where a
 #                                          # decode step's host time goes, bench_gpu_model
 #
@@ -67,7 +68,7 @@ decode)  # issue 15's GPU target alone: the int8 and bf16 kernel tests, then the
     timeout 90 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_attention.py tests/test_triton_int8.py -rfE \
         2>&1 | tee "$OUT/kernel_tests.log" | grep -v '^\.*$' | tail -30
     say "bench_attention (decode sweep)"
-    timeout 200 python3 benchmarks/bench_attention.py --repeat 20 --backends torch,triton \
+    timeout 200 python3 benchmarks/bench_attention.py --repeat 20 --rounds "${ROUNDS:-2}" --backends torch,triton \
         --decode-backends "${SWEEP:-torch,triton,triton@16:8:3,triton@32:4:3,triton@32:8:3,triton@64:8:3,triton@16:4:3:32,triton@32:8:3:32,triton@64:8:3:32,triton@128:8:3}" \
         --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log"
     ;;
