@@ -175,6 +175,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="benchmarks/out/bench_attention.json")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--problems", default="decode,extend,long", help="which of decode, extend, long to run")
+    ap.add_argument("--long-formats", default=",".join(LONG_FORMATS), help="the long decode's KV formats")
     ap.add_argument("--rounds", type=int, default=1, help="time every backend this many times, interleaved "
                     "(the median is reported, the spread beside it)")  # fmt: skip
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated names")
@@ -186,6 +188,8 @@ def main() -> int:
         print("bench_attention.py needs a CUDA GPU (torch.cuda.is_available() is False here); nothing measured.")
         return 0
     names = [n for n in args.backends.split(",") if n]
+    problems = set(args.problems.split(","))
+    long_formats = [f for f in args.long_formats.split(",") if f]
     decode_names = [n for n in (args.decode_backends or args.backends).split(",") if n]
     try:
         fi_version = metadata.version("flashinfer-python")
@@ -202,84 +206,87 @@ def main() -> int:
     rows = []
 
     # decode ------------------------------------------------------------------------------
-    p, spread = Problem(**DECODE), {}
-    results = timed(decode_names, p, args, spread)
-    ref = results.get("torch", (None, None))
-    ref = ref[1] if ref[0] is not None else None
-    ctx = DECODE["cached"] + DECODE["new"]
-    print(f"\ndecode: {DECODE['batch']} seqs x {ctx} tokens, {p.kv_bytes / 1e9:.2f} GB of K+V")
-    print(f"{'backend':<16}{'ms':>9}{'KV GB/s':>10}{'of copy BW':>12}{'max|d| vs torch':>17}")
-    for n, (ms, out) in results.items():
-        if ms is None:
-            print(f"{n:<16}  skipped: {out}")
-            rows.append({"case": "decode", "backend": n, "skipped": out})
-            continue
-        gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
-        d = max_diff(out, ref)
-        print(f"{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{gb_s / copy_gb_s:>11.0%} {fmt(d, '.2e', 16)}"
-              f"{rounds_note(spread.get(n))}")  # fmt: skip
-        rows.append({"case": "decode", "backend": n, "ms": ms, "ms_rounds": spread.get(n), "kv_gb_s": gb_s,
-                     "fraction_of_copy_bw": gb_s / copy_gb_s, "max_abs_diff_vs_torch": d})  # fmt: skip
-    del p, results, ref
-    torch.cuda.empty_cache()
-
-    # extend ------------------------------------------------------------------------------
-    p, spread = Problem(**EXTEND), {}
-    results = timed(names, p, args, spread)
-    ref = results.get("torch", (None, None))
-    ref = ref[1] if ref[0] is not None else None
-    fi_ms = results.get("flashinfer", (None, None))[0]
-    print(f"\nextend: {EXTEND['batch']} seqs x {EXTEND['new']} new tokens on {EXTEND['cached']} cached")
-    print(f"{'backend':<16}{'ms':>9}{'TFLOP/s':>10}{'x flashinfer':>14}{'max|d| vs torch':>17}")
-    for n, (ms, out) in results.items():
-        if ms is None:
-            print(f"{n:<16}  skipped: {out}")
-            rows.append({"case": "extend", "backend": n, "skipped": out})
-            continue
-        tflops = p.flops / (ms * 1e-3) / 1e12
-        ratio = ms / fi_ms if fi_ms else None
-        d = max_diff(out, ref)
-        ratio_s = "-" if ratio is None else f"{ratio:.2f}x"
-        print(f"{n:<16}{ms:>9.3f}{tflops:>10.1f}{ratio_s:>14} {fmt(d, '.2e', 16)}"
-              f"{rounds_note(spread.get(n))}")  # fmt: skip
-        rows.append({"case": "extend", "backend": n, "ms": ms, "ms_rounds": spread.get(n), "tflop_s": tflops,
-                     "time_vs_flashinfer": ratio, "max_abs_diff_vs_torch": d})  # fmt: skip
-
-    del p, results, ref
-    torch.cuda.empty_cache()
-
-    # long decode by KV format ------------------------------------------------------------
-    ctx = LONG_DECODE["cached"] + LONG_DECODE["new"]
-    print(f"\nlong decode: {LONG_DECODE['batch']} seqs x {ctx} tokens, by KV format")
-    print(f"{'format':<8}{'backend':<16}{'ms':>9}{'KV GB/s':>10}{'x bf16':>9}{'x best bf16':>13}{'max|d| vs torch':>17}")
-    base: dict[str, float] = {}  # bf16's time by backend (variant included), and by backend its fastest variant's
-    best: dict[str, float] = {}
-    for fmt_name in LONG_FORMATS:
-        p, spread = Problem(**LONG_DECODE, kv_dtype=fmt_name), {}
+    if "decode" in problems:
+        p, spread = Problem(**DECODE), {}
         results = timed(decode_names, p, args, spread)
         ref = results.get("torch", (None, None))
         ref = ref[1] if ref[0] is not None else None
+        ctx = DECODE["cached"] + DECODE["new"]
+        print(f"\ndecode: {DECODE['batch']} seqs x {ctx} tokens, {p.kv_bytes / 1e9:.2f} GB of K+V")
+        print(f"{'backend':<16}{'ms':>9}{'KV GB/s':>10}{'of copy BW':>12}{'max|d| vs torch':>17}")
         for n, (ms, out) in results.items():
             if ms is None:
-                print(f"{fmt_name:<8}{n:<16}  skipped: {out}")
-                rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "skipped": out})
+                print(f"{n:<16}  skipped: {out}")
+                rows.append({"case": "decode", "backend": n, "skipped": out})
                 continue
-            family = n.partition("@")[0]
-            if fmt_name == "bf16":
-                base[n] = ms
-                best[family] = min(ms, best.get(family, ms))
-            speedup = base[n] / ms if n in base else None
-            over_best = best[family] / ms if family in best else None
             gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
             d = max_diff(out, ref)
-            print(f"{fmt_name:<8}{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{fmt(speedup, '.2f', 8)}x"
-                  f"{fmt(over_best, '.2f', 12)}x {fmt(d, '.2e', 16)}{rounds_note(spread.get(n))}")  # fmt: skip
-            rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "ms": ms,
-                         "ms_rounds": spread.get(n), "kv_gb_s": gb_s,
-                         "speedup_vs_bf16": speedup, "speedup_vs_best_bf16": over_best,
-                         "max_abs_diff_vs_torch": d})  # fmt: skip
+            print(f"{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{gb_s / copy_gb_s:>11.0%} {fmt(d, '.2e', 16)}"
+                  f"{rounds_note(spread.get(n))}")  # fmt: skip
+            rows.append({"case": "decode", "backend": n, "ms": ms, "ms_rounds": spread.get(n), "kv_gb_s": gb_s,
+                         "fraction_of_copy_bw": gb_s / copy_gb_s, "max_abs_diff_vs_torch": d})  # fmt: skip
         del p, results, ref
         torch.cuda.empty_cache()
+
+    # extend ------------------------------------------------------------------------------
+    if "extend" in problems:
+        p, spread = Problem(**EXTEND), {}
+        results = timed(names, p, args, spread)
+        ref = results.get("torch", (None, None))
+        ref = ref[1] if ref[0] is not None else None
+        fi_ms = results.get("flashinfer", (None, None))[0]
+        print(f"\nextend: {EXTEND['batch']} seqs x {EXTEND['new']} new tokens on {EXTEND['cached']} cached")
+        print(f"{'backend':<16}{'ms':>9}{'TFLOP/s':>10}{'x flashinfer':>14}{'max|d| vs torch':>17}")
+        for n, (ms, out) in results.items():
+            if ms is None:
+                print(f"{n:<16}  skipped: {out}")
+                rows.append({"case": "extend", "backend": n, "skipped": out})
+                continue
+            tflops = p.flops / (ms * 1e-3) / 1e12
+            ratio = ms / fi_ms if fi_ms else None
+            d = max_diff(out, ref)
+            ratio_s = "-" if ratio is None else f"{ratio:.2f}x"
+            print(f"{n:<16}{ms:>9.3f}{tflops:>10.1f}{ratio_s:>14} {fmt(d, '.2e', 16)}"
+                  f"{rounds_note(spread.get(n))}")  # fmt: skip
+            rows.append({"case": "extend", "backend": n, "ms": ms, "ms_rounds": spread.get(n), "tflop_s": tflops,
+                         "time_vs_flashinfer": ratio, "max_abs_diff_vs_torch": d})  # fmt: skip
+
+        del p, results, ref
+        torch.cuda.empty_cache()
+
+    # long decode by KV format ------------------------------------------------------------
+    if "long" in problems:
+        ctx = LONG_DECODE["cached"] + LONG_DECODE["new"]
+        print(f"\nlong decode: {LONG_DECODE['batch']} seqs x {ctx} tokens, by KV format")
+        print(f"{'format':<8}{'backend':<16}{'ms':>9}{'KV GB/s':>10}{'x bf16':>9}{'x best bf16':>13}{'max|d| vs torch':>17}")
+        base: dict[str, float] = {}  # bf16's time by backend (variant included), and by backend its fastest variant's
+        best: dict[str, float] = {}
+        for fmt_name in long_formats:
+            p, spread = Problem(**LONG_DECODE, kv_dtype=fmt_name), {}
+            results = timed(decode_names, p, args, spread)
+            ref = results.get("torch", (None, None))
+            ref = ref[1] if ref[0] is not None else None
+            for n, (ms, out) in results.items():
+                if ms is None:
+                    print(f"{fmt_name:<8}{n:<16}  skipped: {out}")
+                    rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "skipped": out})
+                    continue
+                family = n.partition("@")[0]
+                if fmt_name == "bf16":
+                    base[n] = ms
+                    best[family] = min(ms, best.get(family, ms))
+                speedup = base[n] / ms if n in base else None
+                over_best = best[family] / ms if family in best else None
+                gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
+                d = max_diff(out, ref)
+                print(f"{fmt_name:<8}{n:<16}{ms:>9.3f}{gb_s:>10,.0f}{fmt(speedup, '.2f', 8)}x"
+                      f"{fmt(over_best, '.2f', 12)}x {fmt(d, '.2e', 16)}{rounds_note(spread.get(n))}")  # fmt: skip
+                rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "ms": ms,
+                             "ms_rounds": spread.get(n), "kv_gb_s": gb_s,
+                             "speedup_vs_bf16": speedup, "speedup_vs_best_bf16": over_best,
+                             "max_abs_diff_vs_torch": d})  # fmt: skip
+            del p, results, ref
+            torch.cuda.empty_cache()
 
     write_result(
         args.json, rows, device=device, torch=torch.__version__, flashinfer=fi_version, copy_gb_s=copy_gb_s,

