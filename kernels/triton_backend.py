@@ -630,12 +630,13 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     quantized_dtypes = frozenset({torch.int8, torch.uint8})  # the int8 format's pages and int4's (codes two to a byte)
     # decode: context positions per loop step, warps, pipeline stages and most splits of the
-    # context, by the kind of KV read (``_kv_kind``); kinds without an entry (int4) take
-    # DECODE. Measured on an H200 (bench_attention, 2026-11-27, see RESULTS): bf16 pages
-    # 64 x 4 warps (0.255 ms for 8 x 32k against 0.306 at 16); int8 pages 128 positions a
-    # step (the same bytes as 64 bf16 rows) without software pipelining and in 32 splits.
+    # context, by the kind of pages read ("half": fp16/bf16; "int8"); the others (fp32, whose
+    # tiles take twice the registers and shared memory, and int4) take DECODE. Measured on
+    # an H200 (bench_attention, 2026-11-27, see RESULTS): bf16 pages 64 x 4 warps (0.255 ms
+    # for 8 x 32k against 0.306 at 16); int8 pages 128 positions a step (the same bytes as
+    # 64 bf16 rows) without software pipelining and in 32 splits. fp32 and int4: unmeasured.
     DECODE = DecodeTile(16, 4, 3, 16)
-    DECODE_BY_KIND = {None: DecodeTile(64, 4, 3, 16), "int8": DecodeTile(128, 4, 1, 32)}
+    DECODE_BY_KIND = {"half": DecodeTile(64, 4, 3, 16), "int8": DecodeTile(128, 4, 1, 32)}
     TOKENS_PER_SPLIT = 256  # aim: each decode program streams at least this much context
     # extend (BLOCK_M query rows, BLOCK_N context positions), warps, pipeline stages.
     # Half-precision KV on an H100 (bench_attention's extend problem, 2026-11-22, with
@@ -716,7 +717,8 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q) if unrotate is None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode:
             b = q.shape[0]
-            tile = self.DECODE_BY_KIND.get(kind, self.DECODE)
+            half = kind is None and k_cache.dtype in (torch.float16, torch.bfloat16)
+            tile = self.DECODE_BY_KIND.get("half" if half else kind, self.DECODE)
             block_n, splits = tile.block_n, self._splits(tile.max_splits)
             chunk = triton.cdiv(triton.cdiv(self.max_seq_len, splits), block_n) * block_n  # whole blocks a split
             mid_o = torch.empty(b * hq * splits, dim, dtype=torch.float32, device=q.device)

@@ -108,7 +108,8 @@ def jobs() -> list[tuple[str, str, str | None, dict]]:
         if kv not in INT4_KV:  # (int4 reads K/V the same in either row layout)
             out.append(("_extend", dtype, kv, dict(BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **small)))
         if native and dynamic:  # the tiles the GPU runs for half-precision queries (and KV, or int8/int4 KV)
-            tile = tb.TritonBackend.DECODE_BY_KIND.get(KINDS[kv], tb.TritonBackend.DECODE)
+            kind = KINDS[kv] or ("half" if dtype in ("fp16", "bf16") else None)  # (the cache's dtype is the queries')
+            tile = tb.TritonBackend.DECODE_BY_KIND.get(kind, tb.TritonBackend.DECODE)
             decode = dict(BLOCK_H=16, NUM_SPLITS=tile.max_splits, **flags, **ATTN, **blocks(page_size, tile.block_n))
             out.append(("_decode_partial", dtype, kv, {**decode, "options": dict(num_warps=tile.num_warps,
                                                                                  num_stages=tile.num_stages)}))
