@@ -142,9 +142,10 @@ def scales_of_bytes(b_ptr, out_ptr):
 
 
 # int8 codes to half precision without the conversion instructions (I2F, F2F), which an
-# H100/H200 SM issues at a quarter of its integer and float rate and which bound the int8
-# decode loop: four codes at a time, bytes permuted into float bit patterns (PRMT), one
-# subtraction each, as FasterTransformer converts 8-bit weights. bf16: c + 128 becomes the
+# H100/H200 SM issues at a quarter of its integer and float rate: four codes at a time,
+# bytes permuted into float bit patterns (PRMT), one subtraction each, as FasterTransformer
+# converts 8-bit weights (and as Triton lowers an 8-bit dot operand it converts itself,
+# K's here; what this one adds is where it runs, see _int8_to_half). bf16: c + 128 becomes the
 # low byte of the float32 2^23 + (c + 128); minus 2^23 + 128 leaves c, exact in bf16's 8
 # significant bits, so its upper half is c as a bf16. fp16: c + 128 becomes the low byte of
 # the fp16 1024 + (c + 128); minus 1152 leaves c.
