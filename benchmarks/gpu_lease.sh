@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_lease.sh decode    # int8/bf16 attention tests, the decode kernel's sweep (and an
 #                                          # Nsight Compute profile of it where ncu is installed)
 #                                          # (SWEEP=names overrides bench_attention's --decode-backends,
-#                                          # ROUNDS=n its --rounds: each backend timed n times, interleaved)
+#                                          # ROUNDS=n its --rounds: each backend timed n times, interleaved;
+#                                          # each .variants/NAME.py, a changed triton_backend.py, timed too)
 #   bash benchmarks/gpu_lease.sh model     # the engine on the GPU: tests/test_gpu.py, TP over NCCL, where a
 #                                          # decode step's host time goes, bench_gpu_model
 #
@@ -20,6 +21,7 @@
 # Logs and JSON go to $OUT (the device tool brings them back). Calls, as the device tool
 # takes them: `bash benchmarks/gpu_lease.sh kernels` carrying .whl and .ma, then at once
 # (the machine stays warm 30 s) `bash benchmarks/gpu_lease.sh model` carrying .whl and .mb.
+# `decode` alone carries .whl (and .variants where there are kernel variants to time).
 set -uo pipefail
 phase=${1:?usage: gpu_lease.sh prepare|kernels|decode|model}
 OUT=${OUT:-/tmp/radixkv-out}
@@ -30,7 +32,7 @@ say() { echo "== $(date +%T) $*"; }
 
 WHEELS="gguf==0.19.0 msgspec==0.22.0 llguidance==1.9.1 pyzmq==27.3.0 lmdb==3.0.0 redis==8.1.0 uvicorn==0.54.0 httptools==0.9.0"
 if [ "$phase" = prepare ]; then  # on the development machine (network to PyPI), not the device
-    for p in /.whl/ /.ma/ /.mb/; do grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
+    for p in /.whl/ /.ma/ /.mb/ /.variants/; do grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
     platforms=""
     for n in 28 27 17 24 31 34; do platforms="$platforms --platform manylinux_2_${n}_x86_64"; done
     # shellcheck disable=SC2086
@@ -72,6 +74,21 @@ decode)  # issue 15's GPU target alone: the int8 and bf16 kernel tests, then the
     timeout 200 python3 benchmarks/bench_attention.py --repeat 20 --rounds "${ROUNDS:-2}" --backends torch,triton \
         --decode-backends "${SWEEP:-torch,triton,triton@16:8:3,triton@32:4:3,triton@32:8:3,triton@64:8:3,triton@16:4:3:32,triton@32:8:3:32,triton@64:8:3:32,triton@128:8:3}" \
         --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log"
+    # kernel variants to compare in the same call: each file in .variants/ (git-ignored, so the
+    # call carries it; a copy of kernels/triton_backend.py with a change) takes the kernel's
+    # place for one long-decode run
+    if compgen -G ".variants/*.py" > /dev/null; then
+        cp kernels/triton_backend.py "$OUT/triton_backend.committed.py"
+        for variant in .variants/*.py; do
+            name=$(basename "$variant" .py)
+            say "variant $name: long decode"
+            cp "$variant" kernels/triton_backend.py
+            timeout 120 python3 benchmarks/bench_attention.py --problems long --repeat 20 --rounds "${ROUNDS:-2}" \
+                --backends triton --decode-backends "${VARIANT_SWEEP:-triton}" --json "$OUT/variant_$name.json" 2>&1 |
+                tee "$OUT/variant_$name.log" | grep -E '^(bf16|int8) '
+        done
+        cp "$OUT/triton_backend.committed.py" kernels/triton_backend.py
+    fi
     if command -v ncu > /dev/null; then  # why int8 pages stream slower than bf16 ones: stalls, memory, occupancy
         for f in bf16 int8; do
             say "ncu: the decode kernel over 8 x 32k $f pages"
