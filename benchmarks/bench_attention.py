@@ -163,6 +163,19 @@ def rounds_note(times: list[float] | None) -> str:
     return f"  rounds {min(times):.3f}-{max(times):.3f}" if times and len(times) > 1 else ""
 
 
+def torch_output(results: dict):
+    """The torch backend's output among ``timed``'s results (what the others are compared
+    with), or None when it did not run."""
+    ms, out = results.get("torch", (None, None))
+    return out if ms is not None else None
+
+
+def skipped(rows: list, label: str, reason: str, **row) -> None:
+    """Print and record a backend that could not run."""
+    print(f"{label}  skipped: {reason}")
+    rows.append({**row, "skipped": reason})
+
+
 def max_diff(out, ref) -> float | None:
     return None if ref is None else float((out.float() - ref.float()).abs().max())
 
@@ -209,15 +222,13 @@ def main() -> int:
     if "decode" in problems:
         p, spread = Problem(**DECODE), {}
         results = timed(decode_names, p, args, spread)
-        ref = results.get("torch", (None, None))
-        ref = ref[1] if ref[0] is not None else None
+        ref = torch_output(results)
         ctx = DECODE["cached"] + DECODE["new"]
         print(f"\ndecode: {DECODE['batch']} seqs x {ctx} tokens, {p.kv_bytes / 1e9:.2f} GB of K+V")
         print(f"{'backend':<16}{'ms':>9}{'KV GB/s':>10}{'of copy BW':>12}{'max|d| vs torch':>17}")
         for n, (ms, out) in results.items():
             if ms is None:
-                print(f"{n:<16}  skipped: {out}")
-                rows.append({"case": "decode", "backend": n, "skipped": out})
+                skipped(rows, f"{n:<16}", out, case="decode", backend=n)
                 continue
             gb_s = p.kv_bytes / (ms * 1e-3) / 1e9
             d = max_diff(out, ref)
@@ -232,15 +243,13 @@ def main() -> int:
     if "extend" in problems:
         p, spread = Problem(**EXTEND), {}
         results = timed(names, p, args, spread)
-        ref = results.get("torch", (None, None))
-        ref = ref[1] if ref[0] is not None else None
+        ref = torch_output(results)
         fi_ms = results.get("flashinfer", (None, None))[0]
         print(f"\nextend: {EXTEND['batch']} seqs x {EXTEND['new']} new tokens on {EXTEND['cached']} cached")
         print(f"{'backend':<16}{'ms':>9}{'TFLOP/s':>10}{'x flashinfer':>14}{'max|d| vs torch':>17}")
         for n, (ms, out) in results.items():
             if ms is None:
-                print(f"{n:<16}  skipped: {out}")
-                rows.append({"case": "extend", "backend": n, "skipped": out})
+                skipped(rows, f"{n:<16}", out, case="extend", backend=n)
                 continue
             tflops = p.flops / (ms * 1e-3) / 1e12
             ratio = ms / fi_ms if fi_ms else None
@@ -250,7 +259,6 @@ def main() -> int:
                   f"{rounds_note(spread.get(n))}")  # fmt: skip
             rows.append({"case": "extend", "backend": n, "ms": ms, "ms_rounds": spread.get(n), "tflop_s": tflops,
                          "time_vs_flashinfer": ratio, "max_abs_diff_vs_torch": d})  # fmt: skip
-
         del p, results, ref
         torch.cuda.empty_cache()
 
@@ -264,12 +272,10 @@ def main() -> int:
         for fmt_name in long_formats:
             p, spread = Problem(**LONG_DECODE, kv_dtype=fmt_name), {}
             results = timed(decode_names, p, args, spread)
-            ref = results.get("torch", (None, None))
-            ref = ref[1] if ref[0] is not None else None
+            ref = torch_output(results)
             for n, (ms, out) in results.items():
                 if ms is None:
-                    print(f"{fmt_name:<8}{n:<16}  skipped: {out}")
-                    rows.append({"case": "long_decode", "kv_dtype": fmt_name, "backend": n, "skipped": out})
+                    skipped(rows, f"{fmt_name:<8}{n:<16}", out, case="long_decode", kv_dtype=fmt_name, backend=n)
                     continue
                 family = n.partition("@")[0]
                 if fmt_name == "bf16":
