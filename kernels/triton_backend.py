@@ -118,8 +118,7 @@ def _load(ptrs, mask, USE_MASK: tl.constexpr):
 # product is exact, so every entry equals the table's (tested) without reading it.
 if SCALE_STEPS != 8:
     raise ImportError(f"the Triton int8 kernels are written for SCALE_STEPS = 8, not {SCALE_STEPS}")
-_ROOTS = [tl.constexpr(2.0 ** (j / 8)) for j in range(8)]
-_R1, _R2, _R3, _R4, _R5, _R6, _R7 = _ROOTS[1:]
+_R1, _R2, _R3, _R4, _R5, _R6, _R7 = (tl.constexpr(2.0 ** (j / 8)) for j in range(1, 8))  # 2 ** (j / 8)
 
 
 @triton.jit
@@ -132,13 +131,6 @@ def _log_scale(b):
                     tl.where(j < 6, tl.where(j == 4, _R4, _R5), tl.where(j == 6, _R6, _R7)))  # fmt: skip
     power = (((b >> 3) - 16 + 127) << 23).to(tl.float32, bitcast=True)  # 2 ** q, q = (b >> 3) - 16 in -16..15
     return root * power
-
-
-@triton.jit
-def scales_of_bytes(b_ptr, out_ptr):
-    """``out[i] = _log_scale(b[i])`` for 256 bytes: how tests check it against the table."""
-    i = tl.arange(0, 256)
-    tl.store(out_ptr + i, _log_scale(tl.load(b_ptr + i)))
 
 
 # int8 codes to half precision without the conversion instructions (I2F, F2F), which an
@@ -185,13 +177,6 @@ def _int8_to_half(c, dtype: tl.constexpr):
     else:
         h = tl.inline_asm_elementwise(_I8_TO_FP16, "=r,=r,r", [c], dtype=tl.float16, is_pure=False, pack=4)
     return h
-
-
-@triton.jit
-def codes_as_half(c_ptr, out_ptr):
-    """``out[i] = _int8_to_half(c[i])`` for 256 codes, in ``out``'s dtype (GPU only)."""
-    i = tl.arange(0, 256)
-    tl.store(out_ptr + i, _int8_to_half(tl.load(c_ptr + i), out_ptr.dtype.element_ty))
 
 
 @triton.jit

@@ -12,6 +12,25 @@ from test_attention import available, check_against_dense, dense_reference, devi
 from radixkv.kernels import get_backend
 
 DEVICE = device_for("triton")  # compiled Triton takes CUDA tensors; the interpreter CPU ones
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from radixkv.kernels.triton_backend import _int8_to_half, _log_scale  # noqa: E402
+
+
+@triton.jit
+def _scales_of_bytes(b_ptr, out_ptr):
+    """``out[i] = _log_scale(b[i])`` for 256 bytes."""
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, _log_scale(tl.load(b_ptr + i)))
+
+
+@triton.jit
+def _codes_as_half(c_ptr, out_ptr):
+    """``out[i] = _int8_to_half(c[i])`` for 256 codes, in ``out``'s dtype (GPU only)."""
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, _int8_to_half(tl.load(c_ptr + i), out_ptr.dtype.element_ty))
+
 
 # lens, prefixes, page size, query heads, KV heads, head dim
 INT8_CASES = [
@@ -97,11 +116,10 @@ def test_computed_scales_equal_the_table_bit_for_bit():
     format's table: every one of the 256 bytes gives the table's float32 exactly, so the
     kernels and the torch path scale rows alike."""
     from radixkv.cache.formats import kv_format
-    from radixkv.kernels.triton_backend import scales_of_bytes
 
     table = kv_format("int8").log_scales(DEVICE)
     out = torch.full((256,), float("nan"), device=DEVICE)
-    scales_of_bytes[(1,)](torch.arange(256, dtype=torch.uint8, device=DEVICE), out)
+    _scales_of_bytes[(1,)](torch.arange(256, dtype=torch.uint8, device=DEVICE), out)
     assert torch.equal(out.view(torch.int32), table.view(torch.int32))
 
 
@@ -111,11 +129,9 @@ def test_codes_convert_to_half_exactly(dtype):
     """The GPU kernels turn int8 codes into the queries' half dtype with byte permutes
     (``_int8_to_half``) instead of conversion instructions: every code -128..127 comes out
     as the value itself."""
-    from radixkv.kernels.triton_backend import codes_as_half
-
     codes = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
     out = torch.full((256,), float("nan"), dtype=dtype, device=DEVICE)
-    codes_as_half[(1,)](codes, out)
+    _codes_as_half[(1,)](codes, out)
     assert torch.equal(out, codes.to(dtype))
 
 
@@ -147,7 +163,6 @@ def test_new_tokens_are_read_as_stored():
 
 
 def test_registry_reads_int8_and_int4_on_triton_and_refuses_fp8():
-    pytest.importorskip("triton")
     for dtype in (torch.int8, torch.uint8):  # int8; int4 (codes two to a uint8)
         assert get_backend("triton", dtype=dtype).name == "triton"
         assert get_backend("auto", "cuda", dtype).name == "triton"
