@@ -220,16 +220,10 @@ class TritonPackedMatrix:
         self.shape = (rows, cols)
         self.data = data
         self.layout = LAYOUTS[type_id]
-        spans = _layout(type_id, rows, cols)
-        start, size = spans[0]
-        codes = data[start : start + size]
+        codes, scales, *mins = (data[start : start + size] for start, size in _layout(type_id, rows, cols))
         self.codes = (codes.view(torch.int8) if self.layout.signed else codes).view(rows, -1)
-        start, size = spans[1]
-        self.scales = data[start : start + size].view(torch.float32).view(rows, -1)
-        self.mins = None
-        if self.layout.has_min:
-            start, size = spans[2]
-            self.mins = data[start : start + size].view(torch.float32).view(rows, -1)
+        self.scales = scales.view(torch.float32).view(rows, -1)
+        self.mins = mins[0].view(torch.float32).view(rows, -1) if mins else None
 
     @classmethod
     def _from_planes(cls, type_id: int, cols: int, codes: torch.Tensor, scales: torch.Tensor,
@@ -260,9 +254,9 @@ class TritonPackedMatrix:
         codes = codes.reshape(rows, cols)
         if LAYOUTS[type_id].nibbles:  # byte i: value 2i low, 2i + 1 high
             codes = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
-        planes = [torch.from_numpy(np.ascontiguousarray(p).reshape(rows, -1)) for p in (codes, scales)]
-        mins = None if mins is None else torch.from_numpy(np.ascontiguousarray(mins).reshape(rows, -1))
-        return cls._from_planes(type_id, cols, *planes, mins, device)
+        codes, scales, mins = (None if p is None else torch.from_numpy(np.ascontiguousarray(p).reshape(rows, -1))
+                               for p in (codes, scales, mins))  # fmt: skip
+        return cls._from_planes(type_id, cols, codes, scales, mins, device)
 
     @property
     def type_name(self) -> str:
