@@ -649,6 +649,7 @@ class TritonBackend(AttentionBackend):
         self.max_seq_len = max(batch.seq_lens)
         self.max_qo_len = max(batch.qo_lens)
         self.decode = self.max_qo_len == 1
+        self._decode_shapes: dict[DecodeTile, tuple[int, int]] = {}  # this batch's (splits, chunk) by tile
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         # The new tokens' K/V are read from ``kv`` (the pool stored them before this
@@ -705,8 +706,7 @@ class TritonBackend(AttentionBackend):
             b = q.shape[0]
             half = kind is None and k_cache.dtype in (torch.float16, torch.bfloat16)
             tile = self.DECODE_BY_KIND.get("half" if half else kind, self.DECODE)
-            block_n, splits = tile.block_n, self._splits(tile.max_splits)
-            chunk = triton.cdiv(triton.cdiv(self.max_seq_len, splits), block_n) * block_n  # whole blocks a split
+            block_n, (splits, chunk) = tile.block_n, self._decode_shape(tile)
             mid_o = torch.empty(b * hq * splits, dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
             _decode_partial[(b, hkv, splits)](
@@ -739,6 +739,16 @@ class TritonBackend(AttentionBackend):
         if unrotate is not None:  # sum p (y M) = (sum p y) M
             out = (out @ unrotate).to(out_dtype)
         return out
+
+    def _decode_shape(self, tile: DecodeTile) -> tuple[int, int]:
+        """This batch's decode split count and positions per split (whole blocks) with
+        ``tile``: worked out once per batch, not in every layer's call."""
+        shape = self._decode_shapes.get(tile)
+        if shape is None:
+            splits = self._splits(tile.max_splits)
+            chunk = triton.cdiv(triton.cdiv(self.max_seq_len, splits), tile.block_n) * tile.block_n
+            shape = self._decode_shapes[tile] = (splits, chunk)
+        return shape
 
     def _splits(self, most: int) -> int:
         """Slices of the context per decode sequence: doubled up to ``most`` while each
