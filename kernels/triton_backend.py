@@ -704,8 +704,7 @@ class TritonBackend(AttentionBackend):
         out = torch.empty_like(q) if unrotate is None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode:
             b = q.shape[0]
-            half = kind is None and k_cache.dtype in (torch.float16, torch.bfloat16)
-            tile = self.DECODE_BY_KIND.get("half" if half else kind, self.DECODE)
+            tile = self.decode_tile(kind, k_cache.dtype)
             block_n, (splits, chunk) = tile.block_n, self._decode_shape(tile)
             mid_o = torch.empty(b * hq * splits, dim, dtype=torch.float32, device=q.device)
             mid_lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
@@ -739,6 +738,12 @@ class TritonBackend(AttentionBackend):
         if unrotate is not None:  # sum p (y M) = (sum p y) M
             out = (out @ unrotate).to(out_dtype)
         return out
+
+    def decode_tile(self, kind: str | None, cache_dtype: torch.dtype) -> DecodeTile:
+        """The decode kernel's tile for pages of ``kind`` (``_kv_kind``; None: elements as
+        stored, in ``cache_dtype``)."""
+        half = kind is None and cache_dtype in (torch.float16, torch.bfloat16)
+        return self.DECODE_BY_KIND.get("half" if half else kind, self.DECODE)
 
     def _decode_shape(self, tile: DecodeTile) -> tuple[int, int]:
         """This batch's decode split count and positions per split (whole blocks) with

@@ -85,6 +85,7 @@ VARIANTS = [
 ]
 INT4_KV = ("u4", "u4_norot")
 KINDS = {None: None, "i8": "int8", "u4": "int4", "u4_norot": "int4"}  # the backend's name of each cache kind
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def blocks(page_size: int, block_n: int) -> dict:
@@ -96,6 +97,8 @@ def blocks(page_size: int, block_n: int) -> dict:
 
 def jobs() -> list[tuple[str, str, str | None, dict]]:
     """Every (kernel name, query dtype, cache kind, constexprs) to compile."""
+    import torch
+
     from radixkv.kernels import triton_backend as tb
 
     out = []
@@ -108,8 +111,7 @@ def jobs() -> list[tuple[str, str, str | None, dict]]:
         if kv not in INT4_KV:  # (int4 reads K/V the same in either row layout)
             out.append(("_extend", dtype, kv, dict(BLOCK_M=64, BLOCK_Q=64, PACK_GQA=False, **flags, **small)))
         if native and dynamic:  # the tiles the GPU runs for half-precision queries (and KV, or int8/int4 KV)
-            kind = KINDS[kv] or ("half" if dtype in ("fp16", "bf16") else None)  # (the cache's dtype is the queries')
-            tile = tb.TritonBackend.DECODE_BY_KIND.get(kind, tb.TritonBackend.DECODE)
+            tile = tb.TritonBackend().decode_tile(KINDS[kv], getattr(torch, DTYPES[dtype]))  # (a float cache: q's dtype)
             decode = dict(BLOCK_H=16, NUM_SPLITS=tile.max_splits, **flags, **ATTN, **blocks(page_size, tile.block_n))
             out.append(("_decode_partial", dtype, kv, {**decode, "options": dict(num_warps=tile.num_warps,
                                                                                  num_stages=tile.num_stages)}))
