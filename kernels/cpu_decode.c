@@ -1178,8 +1178,9 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
  *   e^(s - max) in place of the scores (masked positions, where a block runs past a row's
  *   causal end, its window or the context, weigh exactly zero; blocks every row sees in
  *   full skip the masks);
- * - the weighted V sums in tiles of 6 rows by 16 dims, each V vector loaded once for the
- *   tile's rows.
+ * - the weighted V sums, kept transposed ([d][rows]), in tiles of 6 dims by 16 rows (each
+ *   V value broadcast against two vectors of the rows' weights: the score tile's shape;
+ *   bf16 products: [rows][d], tiles of 6 rows by 16 dims).
  * The rows share each block's K/V, where per-sequence SDPA calls paid their own setup and
  * the decode kernel would read the context once per row. Layouts as radixkv_paged_decode;
  * q_start[i]: sequence i's first query row, n_new[i] its new tokens. Returns 0; -1 when
@@ -1197,7 +1198,8 @@ INLINE void score_tile_nv(const float *qT, int64_t rs, const float *const *kp, i
     __m256 a[6][2];
     for (int j = 0; j < np; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
     for (int64_t e = 0; e < d; e++) {
-        const __m256 q0 = _mm256_load_ps(qT + e * rs), q1 = nv > 1 ? _mm256_load_ps(qT + e * rs + 8) : q0;
+        __m256 q0 = _mm256_load_ps(qT + e * rs), q1 = nv > 1 ? _mm256_load_ps(qT + e * rs + 8) : q0;
+        __asm__("" : "+x"(q0), "+x"(q1)); /* in registers: GCC would fold them into every FMA, a load each */
         for (int j = 0; j < np; j++) {
             const __m256 k = _mm256_broadcast_ss(kp[j] + e);
             a[j][0] = _mm256_fmadd_ps(q0, k, a[j][0]);
@@ -1217,50 +1219,41 @@ INLINE void score_block(const float *qT, int64_t rs, const float *const *kp, int
     score_tile_nv(qT, rs, kp + 12, d, nv, 4, sT + 12 * rs);
 }
 
-/* a V tile's running sums of dims e .. e + 16 of its mr rows: in, times the rows' rescale
- * alpha (one multiply per output), and out */
-INLINE void sums_in(const float *o, int64_t d, int64_t e, const float *alpha, const int mr, __m256 a[6][2]) {
-    for (int t = 0; t < mr; t++) {
-        const __m256 va = _mm256_set1_ps(alpha[t]);
-        a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
-        a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
+/* oT[i][0 .. 8 nv) (row stride rs) = alpha oT[i] + sum over the block's EK positions j of
+ * pT[j][..] v_j[e + i], i < ne <= 6, for 8 nv rows (pT, alpha and oT from the tile's first
+ * row): the V sums kept transposed, [d][rows] as the queries, so that a tile is the score
+ * tile's shape: each V value broadcast against two vectors of the rows' weights, 12 sums in
+ * registers. Per output one multiply by alpha, then fused multiply-adds over j in order
+ * (zero weights add exactly zero). */
+INLINE void pv_tile_t(const float *pT, int64_t rs, const float *const *vp, int64_t e, const int ne, const int nv,
+                      const float *alpha, float *oT) {
+    __m256 a[6][2];
+    const __m256 al0 = _mm256_load_ps(alpha), al1 = nv > 1 ? _mm256_load_ps(alpha + 8) : al0;
+    for (int i = 0; i < ne; i++) {
+        a[i][0] = _mm256_mul_ps(_mm256_load_ps(oT + i * rs), al0);
+        if (nv > 1) a[i][1] = _mm256_mul_ps(_mm256_load_ps(oT + i * rs + 8), al1);
     }
-}
-
-INLINE void sums_out(float *o, int64_t d, int64_t e, const int mr, __m256 a[6][2]) {
-    for (int t = 0; t < mr; t++) {
-        _mm256_storeu_ps(o + t * d + e, a[t][0]);
-        _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
-    }
-}
-
-/* o[t][0..d) = alpha[t] o[t] + sum over the block's EK positions j of pT[j][t] v_j, t < mr
- * <= 6 (pT row stride rs, V rows vp[j], o [mr][d]): 16 dims at a time, the rows' sums in
- * 2 mr registers, each V vector loaded once for the tile's rows. Per output one multiply
- * by alpha, then fused multiply-adds over j in order (zero weights add exactly zero). */
-INLINE void pv_tile_mr(const float *pT, int64_t rs, const float *const *vp, int64_t d, const float *alpha,
-                       const int mr, float *o) {
-    for (int64_t e = 0; e < d; e += 16) {
-        __m256 a[6][2];
-        sums_in(o, d, e, alpha, mr, a);
-#pragma GCC unroll 16
-        for (int j = 0; j < EK; j++) {
-            const __m256 v0 = _mm256_loadu_ps(vp[j] + e), v1 = _mm256_loadu_ps(vp[j] + e + 8);
-            for (int t = 0; t < mr; t++) {
-                const __m256 w = _mm256_broadcast_ss(pT + j * rs + t);
-                a[t][0] = _mm256_fmadd_ps(w, v0, a[t][0]);
-                a[t][1] = _mm256_fmadd_ps(w, v1, a[t][1]);
-            }
+    for (int j = 0; j < EK; j++) {
+        const __m256 p0 = _mm256_load_ps(pT + j * rs), p1 = nv > 1 ? _mm256_load_ps(pT + j * rs + 8) : p0;
+        for (int i = 0; i < ne; i++) {
+            const __m256 v = _mm256_broadcast_ss(vp[j] + e + i);
+            a[i][0] = _mm256_fmadd_ps(p0, v, a[i][0]);
+            if (nv > 1) a[i][1] = _mm256_fmadd_ps(p1, v, a[i][1]);
         }
-        sums_out(o, d, e, mr, a);
+    }
+    for (int i = 0; i < ne; i++) {
+        _mm256_store_ps(oT + i * rs, a[i][0]);
+        if (nv > 1) _mm256_store_ps(oT + i * rs + 8, a[i][1]);
     }
 }
 
-INLINE void pv_tile(const float *pT, int64_t rs, const float *const *vp, int64_t d, const float *alpha, int mr,
-                    float *o) {
-#define PV_TILE(R) pv_tile_mr(pT, rs, vp, d, alpha, R, o)
-    WITH_CONSTANT_ROWS(mr, PV_TILE);
-#undef PV_TILE
+/* a block's V sums for 8 nv rows, every dim (d a multiple of 32: tiles of 6 dims, then 4 or 2) */
+INLINE void pv_block_t(const float *pT, int64_t rs, const float *const *vp, int64_t d, const int nv, const float *alpha,
+                       float *oT) {
+    int64_t e = 0;
+    for (; e + 6 <= d; e += 6) pv_tile_t(pT, rs, vp, e, 6, nv, alpha, oT + e * rs);
+    if (d - e == 4) pv_tile_t(pT, rs, vp, e, 4, nv, alpha, oT + e * rs);
+    if (d - e == 2) pv_tile_t(pT, rs, vp, e, 2, nv, alpha, oT + e * rs);
 }
 
 /* The online softmax of one block for 8 rows (lanes): sT's EK vectors (row stride rs) become
@@ -1303,6 +1296,23 @@ INLINE void softmax8(float *sT, int64_t rs, float *m, float *l, float *alpha, __
  * float32 sum) for bf16 pages: the queries and the softmax weights rounded to bf16, K and
  * V as the pages hold them, every sum in float32. */
 #define BF16_PRODUCTS 1
+
+/* a bf16 V tile's running sums of dims e .. e + 16 of its mr rows ([rows][d]): in, times
+ * the rows' rescale alpha (one multiply per output), and out */
+INLINE void sums_in(const float *o, int64_t d, int64_t e, const float *alpha, const int mr, __m256 a[6][2]) {
+    for (int t = 0; t < mr; t++) {
+        const __m256 va = _mm256_set1_ps(alpha[t]);
+        a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
+        a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
+    }
+}
+
+INLINE void sums_out(float *o, int64_t d, int64_t e, const int mr, __m256 a[6][2]) {
+    for (int t = 0; t < mr; t++) {
+        _mm256_storeu_ps(o + t * d + e, a[t][0]);
+        _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
+    }
+}
 
 INLINE __m256bh pair_of(const uint16_t *p) {  /* (p[0], p[1]) in every lane */
     uint32_t u;
@@ -1461,7 +1471,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     }
                     m[r] = -INFINITY, l[r] = 0.0f;
                 }
-                memset(ob, 0, sizeof(float) * (size_t)(R * d));
+                memset(ob, 0, sizeof(float) * (size_t)(RS * d));
                 const int64_t end = total - n + (c0 + R - 1) / G + 1; /* positions the chunk's last row sees */
                 int64_t begin = 0; /* and its first row's window */
                 if (window > 0 && firstp[0] > 0) begin = firstp[0] / EK * EK;
@@ -1510,15 +1520,18 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                         if (bfp) pair_weights8(sT + r, RS, pP + r);
 #endif
                     }
-                    for (int64_t r = r0; r < R; r += 6) {
-                        const int mr = R - r < 6 ? (int)(R - r) : 6;
 #if BF16_PRODUCTS
-                        if (bfp) {
-                            pv_tile_bf(pP + r, RS, vh, d, alpha + r, mr, ob + r * d);
-                            continue;
-                        }
+                    if (bfp) {  /* ob [rows][d] */
+                        for (int64_t r = r0; r < R; r += 6)
+                            pv_tile_bf(pP + r, RS, vh, d, alpha + r, R - r < 6 ? (int)(R - r) : 6, ob + r * d);
+                        continue;
+                    }
 #endif
-                        pv_tile(sT + r, RS, vp, d, alpha + r, mr, ob + r * d);
+                    for (int64_t r = r0; r < RS; r += 16) {  /* ob [d][RS], padding rows too (dropped) */
+                        if (RS - r >= 16)
+                            pv_block_t(sT + r, RS, vp, d, 2, alpha + r, ob + r);
+                        else
+                            pv_block_t(sT + r, RS, vp, d, 1, alpha + r, ob + r);
                     }
                 }
                 for (int64_t r = 0; r < R; r++) {
@@ -1530,7 +1543,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                         continue;
                     }
 #endif
-                    for (int64_t e = 0; e < d; e++) dst[e] = ob[r * d + e] * inv;
+                    for (int64_t e = 0; e < d; e++) dst[e] = ob[e * RS + r] * inv;
                 }
             }
         }
