@@ -241,13 +241,16 @@ static void dequant_block(int type, const uint8_t *b, float *y) {
 /* ---- activations ----
  *
  * A token's rounded activations: codes q[32 i + j] and, per block i, its scale d[i] and
- * s[i] = d[i] * sum(codes of block i). */
+ * s[i] = d[i] * sum(codes of block i). Codes span +-act_max: 32767 (16-bit codes, the
+ * default) or 127 (8-bit, llama.cpp's activation precision: the integer panels then take
+ * pmaddubsw, twice pmaddwd's multiply-adds an instruction). Every product's integer sums
+ * are exact either way, so a token's bits depend on act_max, never on the path. */
 typedef struct {
     const int16_t *q;
     const float *d, *s;
 } xrow;
 
-static void quantize_block(const float *x, int16_t *q, float *d_out, float *s_out) {
+static void quantize_block(const float *x, int act_max, int16_t *q, int8_t *q8, float *d_out, float *s_out) {
 #ifdef USE_AVX2  /* the same arithmetic eight lanes at a time (cvtps rounds to nearest even, as lrintf) */
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], mx = _mm256_setzero_ps();
@@ -255,8 +258,8 @@ static void quantize_block(const float *x, int16_t *q, float *d_out, float *s_ou
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-    const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+    float d = amax / (float)act_max, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256i hi = _mm256_set1_epi32(act_max), lo = _mm256_set1_epi32(-act_max);
     __m256i c[4], total = _mm256_setzero_si256();
     for (int k = 0; k < 4; k++) {
         c[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id)));
@@ -264,20 +267,24 @@ static void quantize_block(const float *x, int16_t *q, float *d_out, float *s_ou
         total = _mm256_add_epi32(total, c[k]);
     }
     /* packs interleaves 128-bit lanes: permute them back to values 0..15, 16..31 */
-    _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
-    _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
+    const __m256i lo16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8),
+                  hi16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
+    _mm256_storeu_si256((__m256i *)q, lo16);
+    _mm256_storeu_si256((__m256i *)(q + 16), hi16);
+    if (q8) _mm256_storeu_si256((__m256i *)q8, _mm256_permute4x64_epi64(_mm256_packs_epi16(lo16, hi16), 0xD8));
     __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
     int sum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
 #else
     float amax = 0.0f;
     for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-    float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    float d = amax / (float)act_max, id = d > 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int j = 0; j < 32; j++) {
         int v = (int)lrintf(x[j] * id);
-        v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;
+        v = v > act_max ? act_max : v < -act_max ? -act_max : v;
         q[j] = (int16_t)v;
+        if (q8) q8[j] = (int8_t)v;
         sum += v;
     }
 #endif
@@ -285,16 +292,16 @@ static void quantize_block(const float *x, int16_t *q, float *d_out, float *s_ou
     *s_out = d * (float)sum;
 }
 
-/* out = x with each block of 32 replaced by its rounding d * q: what the kernel
- * multiplies, for the dense path of long inputs (weights.py). */
-void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *out, int threads) {
+/* out = x with each block of 32 replaced by its rounding d * q (codes within +-act_max):
+ * what the kernel multiplies, for the dense path of long inputs (weights.py). */
+void radixkv_round_activations(const float *x, int64_t n, int64_t cols, float *out, int act_max, int threads) {
     int64_t nb = cols / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < n; b++) {
         int16_t q[32];
         float d, s;
         for (int64_t i = 0; i < nb; i++) {
-            quantize_block(x + b * cols + i * 32, q, &d, &s);
+            quantize_block(x + b * cols + i * 32, act_max, q, NULL, &d, &s);
             for (int j = 0; j < 32; j++) out[b * cols + i * 32 + j] = d * (float)q[j];
         }
     }
@@ -721,36 +728,44 @@ int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t
 
 typedef struct {  /* a matrix in the kernels' layout, as weights.py describes it */
     int type;
+    int act_max;  /* its inputs' codes: +-32767 or +-127 (see quantize_block) */
     int64_t rows, cols;
     const uint8_t *w;
 } qmat;
 
 typedef struct {  /* room for n tokens' rounded activations of up to `blocks` blocks each */
     int16_t *q;
+    int8_t *q8;  /* the same codes as bytes, where they fit (act_max 127) */
     float *d, *s;
 } xbuf;
 
 static int xbuf_alloc(xbuf *b, int64_t n, int64_t blocks) {
     b->q = malloc(sizeof(int16_t) * 32 * (size_t)(n * blocks));
+    b->q8 = malloc(32 * (size_t)(n * blocks));
     b->d = malloc(sizeof(float) * 2 * (size_t)(n * blocks));
     b->s = b->d ? b->d + n * blocks : NULL;
-    if (b->q && b->d) return 0;
+    if (b->q && b->q8 && b->d) return 0;
     free(b->q);
+    free(b->q8);
     free(b->d);
     return -2;
 }
 
 static void xbuf_free(xbuf *b) {
     free(b->q);
+    free(b->q8);
     free(b->d);
 }
 
-/* n tokens' activations x[n, cols] rounded into xb, by every thread of a parallel region
- * (the loop is shared out; it ends with the region's barrier) */
-static void quantize_rows(const float *x, int64_t n, int64_t cols, const xbuf *xb) {
+/* n tokens' activations x[n, cols] rounded into xb (codes within +-act_max; as bytes too
+ * where they fit), by every thread of a parallel region (the loop is shared out; it ends
+ * with the region's barrier) */
+static void quantize_rows(const float *x, int64_t n, int64_t cols, int act_max, const xbuf *xb) {
     const int64_t blocks = n * (cols / 32);
+    int8_t *q8 = act_max <= 127 ? xb->q8 : NULL;
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < blocks; k++) quantize_block(x + 32 * k, xb->q + 32 * k, xb->d + k, xb->s + k);
+    for (int64_t k = 0; k < blocks; k++)
+        quantize_block(x + 32 * k, act_max, xb->q + 32 * k, q8 ? q8 + 32 * k : NULL, xb->d + k, xb->s + k);
 }
 
 /* rows [r0, r1) of y[n, rows] = x . W^T through dot_rows, from the rounded activations xb:
@@ -779,7 +794,7 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
  * are shared out among them; each ends with the region's barrier). */
 static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
     const int64_t rows = m->rows;
-    quantize_rows(x, n, m->cols, xb);
+    quantize_rows(x, n, m->cols, m->act_max, xb);
     if (is_split(m->type) && n >= PANELS_FROM) {
         split_panels(m, n, y, xb);
         return;
@@ -795,13 +810,13 @@ static int last_threads;
 /* The threads the last product ran on (what tests check the thread count against). */
 int radixkv_qmatmul_last_threads(void) { return last_threads; }
 
-/* y[n, rows] = x[n, cols] . W^T, W in the kernels' layout (radixkv_repack). Returns 0; -1
- * for an unknown type or a row length its blocks do not divide; -2 when the activation
- * buffer cannot be allocated. */
+/* y[n, rows] = x[n, cols] . W^T, W in the kernels' layout (radixkv_repack), x rounded to
+ * codes within +-act_max (32767 or 127). Returns 0; -1 for an unknown type or a row length
+ * its blocks do not divide; -2 when the activation buffer cannot be allocated. */
 int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
-                    int threads) {
+                    int act_max, int threads) {
     if (row_bytes(type, cols) < 0) return -1;
-    qmat m = {type, rows, cols, w};
+    qmat m = {type, act_max, rows, cols, w};
     xbuf xb;
     if (xbuf_alloc(&xb, n, cols / 32)) return -2;
 #pragma omp parallel num_threads(threads)
@@ -1067,16 +1082,76 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
 }
 #endif
 
+#ifdef USE_AVX2
+/* igblock on bytes, for 4-bit codes and 8-bit activations (act_max 127): codes8 [cols / 4]
+ * [TILE_NR][4] (four columns of a row in a 32-bit lane), xq8 the tokens' codes as bytes.
+ * pmaddubsw multiplies a row's four codes by the token's four and adds pairs into 16-bit
+ * lanes (at most 2 x 15 x 127); eight of those (a block) sum in 16 bits (at most 30,480),
+ * then pmaddwd by ones gives each row's exact int32 sum: igblock's integers, so the same
+ * float steps give the same bits. */
+INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
+                     const float *xd, const float *xs, const int mr, float *lanes, int64_t i, const int first) {
+    __m256i s[TILE_MR][2];  /* 12 16-bit sums, two vectors of codes, a broadcast */
+    const uint8_t *c = codes8 + i * 32 * TILE_NR;
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k));
+        const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k + 32));
+        for (int t = 0; t < mr; t++) {
+            int32_t quad;
+            memcpy(&quad, xq8 + t * cols + 32 * i + 4 * k, sizeof quad);
+            const __m256i xb = _mm256_set1_epi32(quad);
+            const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
+            if (k == 0) {
+                s[t][0] = p0, s[t][1] = p1;
+            } else {
+                s[t][0] = _mm256_add_epi16(s[t][0], p0), s[t][1] = _mm256_add_epi16(s[t][1], p1);
+                __asm__("" : "+x"(s[t][0]), "+x"(s[t][1]));  /* as madd_acc: no regrouping */
+            }
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float *f = dm + i * 2 * TILE_NR;
+    const __m256 d0 = _mm256_load_ps(f), d1 = _mm256_load_ps(f + 8), m0 = _mm256_load_ps(f + 16),
+                 m1 = _mm256_load_ps(f + 24);
+    for (int t = 0; t < mr; t++) {
+        const __m256i a0 = _mm256_madd_epi16(s[t][0], ones), a1 = _mm256_madd_epi16(s[t][1], ones);
+        const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
+        float *o = lanes + t * LANE_FLOATS + (i & 7) * TILE_NR;
+        const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_load_ps(o), y1 = first ? _mm256_setzero_ps() : _mm256_load_ps(o + 8);
+        _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(d0, dx), y0)));
+        _mm256_store_ps(o + 8, _mm256_fmadd_ps(m1, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(d1, dx), y1)));
+    }
+}
+
+/* the panel's 16-bit codes tmp [TILE_NR][cols] (each < 16) as codes8 [cols / 4][TILE_NR][4],
+ * through rows8 ([TILE_NR][cols] bytes) */
+static void panel_bytes(const int16_t *tmp, int64_t cols, uint8_t *rows8, uint8_t *codes8) {
+    for (int64_t j = 0; j < TILE_NR * cols; j += 32) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(tmp + j)), hi = _mm256_loadu_si256((const __m256i *)(tmp + j + 16));
+        _mm256_storeu_si256((__m256i *)(rows8 + j), _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8));
+    }
+    for (int64_t q = 0; q < cols / 4; q++)
+        for (int r = 0; r < TILE_NR; r++) memcpy(codes8 + 4 * (q * TILE_NR + r), rows8 + r * cols + 4 * q, 4);
+}
+#endif
+
 /* out[t][0..TILE_NR) = the panel's rows times token t's codes (xq + t cols, scales xd + t nb
  * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. The float steps
  * are dot_split's (block i into lane i % 8, then lanes8), the lanes in scratch ([mr][8]
  * [TILE_NR] floats, 32-byte aligned). */
-INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
-                      const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+INLINE void igtile_mr(const int16_t *codes, const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols,
+                      const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, const int mr,
+                      float *lanes, float *out) {
 #ifdef USE_AVX2
     int64_t i = 0;
-    for (; i < nb && i < 8; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 1);
-    for (; i < nb; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 0);
+    if (codes8) {
+        for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 1);
+        for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 0);
+    } else {
+        for (; i < nb && i < 8; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 1);
+        for (; i < nb; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 0);
+    }
     for (int t = 0; t < mr; t++)
         for (int h = 0; h < TILE_NR; h += 8) {  /* lanes8 for eight rows at once (lanes never touched: zero) */
             const float *l = lanes + t * LANE_FLOATS + h;
@@ -1087,7 +1162,7 @@ INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t
             _mm256_store_ps(out + t * TILE_NR + h, _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3)));
         }
 #else
-    (void)lanes;
+    (void)lanes, (void)codes8, (void)xq8;
     for (int t = 0; t < mr; t++)
         for (int r = 0; r < TILE_NR; r++) {
             float y[8] = {0};
@@ -1103,17 +1178,19 @@ INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t
 #endif
 }
 
-INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
-                   const float *xd, const float *xs, int mr, float *lanes, float *out) {
-#define IGTILE(R) igtile_mr(codes, dm, nb, cols, xq, xd, xs, R, lanes, out)
+INLINE void igtile(const int16_t *codes, const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols,
+                   const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, int mr, float *lanes,
+                   float *out) {
+#define IGTILE(R) igtile_mr(codes, codes8, dm, nb, cols, xq, xq8, xd, xs, R, lanes, out)
     WITH_CONSTANT_ROWS(mr, IGTILE);
 #undef IGTILE
 }
 
 /* y[n, rows] = W^T times the rounded activations xb for a 32-value type on integer panels,
  * called by every thread of a parallel region: each thread takes a contiguous range of
- * panels (ends with a barrier). The bits are dot_rows', so a thread that cannot have its
- * scratch computes its rows through dot_rows instead. */
+ * panels (ends with a barrier). Q4_0 and Q4_1 against 8-bit activations (act_max 127)
+ * take byte panels (igblock8), the rest 16-bit pairs (igblock). The bits are dot_rows',
+ * so a thread that cannot have its scratch computes its rows through dot_rows instead. */
 static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     const int64_t cols = m->cols, nb = cols / 32, rb = row_bytes(m->type, cols), rows = m->rows;
     const int64_t panels = (rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();
@@ -1123,43 +1200,54 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     float *dm = aligned_alloc(32, sizeof(float) * 2 * TILE_NR * (size_t)nb), *dtmp = malloc(sizeof(float) * 2 * (size_t)nb);
     float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
     float *lanes = aligned_alloc(32, sizeof(float) * LANE_FLOATS * TILE_MR);
-    if (!tmp || !codes || !dm || !dtmp || !out || !lanes) {
+#ifdef USE_AVX2  /* 4-bit codes and 8-bit activations: the byte panels (igblock8) */
+    const int bytes = m->act_max <= 127 && (m->type == T_Q4_0 || m->type == T_Q4_1);
+#else
+    const int bytes = 0;
+#endif
+    uint8_t *rows8 = bytes ? aligned_alloc(32, TILE_NR * (size_t)cols) : NULL;
+    uint8_t *codes8 = bytes ? aligned_alloc(32, TILE_NR * (size_t)cols) : NULL;
+    if (!tmp || !codes || !dm || !dtmp || !out || !lanes || (bytes && (!rows8 || !codes8))) {
         kernel_rows(m, n, y, xb, p0 * TILE_NR, p1 * TILE_NR < rows ? p1 * TILE_NR : rows);
     } else {
         for (int64_t c = p0; c < p1; c++) {
             const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
             ig_panel(m->type, m->w, rb, r0, nr, cols, tmp, dtmp, codes, dm);
+#ifdef USE_AVX2
+            if (bytes) panel_bytes(tmp, cols, rows8, codes8);
+#endif
             for (int64_t t = 0; t < n; t += TILE_MR) {
                 const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-                igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
+                igtile(codes, codes8, dm, nb, cols, xb->q + t * cols, xb->q8 + t * cols, xb->d + t * nb,
+                       xb->s + t * nb, mr, lanes, out);
                 for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
             }
         }
     }
-    free(tmp), free(codes), free(dm), free(dtmp), free(out), free(lanes);
+    free(tmp), free(codes), free(dm), free(dtmp), free(out), free(lanes), free(rows8), free(codes8);
 #pragma omp barrier
 }
 
 /* ---- the dense products ----
  *
  * y[n, rows] = x[n, cols] . W^T for many tokens (prefill and extend rows), W in the kernels'
- * layout, x float32, rounded here as radixkv_qmatmul rounds it: the 32-value types on the
+ * layout, x float32, rounded here as radixkv_qmatmul rounds it (act_max): the 32-value types on the
  * integer panels (split_panels: radixkv_qmatmul's bits), the K-quants on float32 panels of
  * the rounded activations (threads take contiguous ranges of panels). Returns 0; -1 for an
  * unknown type or a row length its blocks do not divide; -2 when a buffer cannot be
  * allocated. */
 int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
-                  int threads) {
+                  int act_max, int threads) {
     const int64_t rb = row_bytes(type, cols);
     if (rb < 0) return -1;
-    const qmat m = {type, rows, cols, w};
+    const qmat m = {type, act_max, rows, cols, w};
     const int64_t nb = cols / 32, panels = (rows + TILE_NR - 1) / TILE_NR;
     xbuf xb;
     if (xbuf_alloc(&xb, n, nb)) return -2;
     if (is_split(type)) {
 #pragma omp parallel num_threads(threads)
         {
-            quantize_rows(x, n, cols, &xb);
+            quantize_rows(x, n, cols, act_max, &xb);
             split_panels(&m, n, y, &xb);
         }
         xbuf_free(&xb);
@@ -1173,7 +1261,7 @@ int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
     int err = 0;
 #pragma omp parallel num_threads(threads)
     {
-        quantize_rows(x, n, cols, &xb);
+        quantize_rows(x, n, cols, act_max, &xb);
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < n * cols; k++) xr[k] = xb.d[k / 32] * (float)xb.q[k];
         float *tmp = aligned_alloc(32, sizeof(float) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */

@@ -45,10 +45,23 @@ TYPES = {
 
 DENSE_FROM = 32  # tokens from which linear() takes the panel path by default
 
+# activation_bits -> the codes' bound: activations are rounded per block of 32 to codes
+# within +-bound times a scale (16: the default; 8: llama.cpp's precision, whose byte
+# products the integer panels take twice as fast for Q4_0 and Q4_1)
+ACTIVATION_CODES = {16: 32767, 8: 127}
+
+
+def check_activation_bits(bits) -> int:
+    """``bits`` if it is one of ``ACTIVATION_CODES``, else ValueError naming the field."""
+    if isinstance(bits, bool) or bits not in ACTIVATION_CODES:
+        raise ValueError(f"activation_bits must be one of {', '.join(map(str, ACTIVATION_CODES))}, got {bits!r}")
+    return bits
+
 class QMat(ctypes.Structure):
     """A matrix as the C code describes it (``qmat`` in ``qmatmul.c``)."""
 
-    _fields_ = [("type", ctypes.c_int), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("w", ctypes.c_void_p)]
+    _fields_ = [("type", ctypes.c_int), ("act_max", ctypes.c_int), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+                ("w", ctypes.c_void_p)]  # fmt: skip
 
 
 class QLayer(ctypes.Structure):
@@ -85,11 +98,11 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(build.build(name, SOURCE, flags, depends_on=(build.cpu_id(),), libs=("-lm",))))
             except OSError as e:
                 raise ImportError(f"the quantized weight kernels are unavailable: {e}") from e
-            lib.radixkv_qmatmul.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+            lib.radixkv_qmatmul.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _int]
             lib.radixkv_qmatmul.restype = _int
             lib.radixkv_dequant_rows.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr, _int]
             lib.radixkv_dequant_rows.restype = _int
-            lib.radixkv_round_activations.argtypes = [_ptr, _i64, _i64, _ptr, _int]
+            lib.radixkv_round_activations.argtypes = [_ptr, _i64, _i64, _ptr, _int, _int]
             lib.radixkv_round_activations.restype = None
             lib.radixkv_qmatmul_last_threads.restype = _int
             lib.radixkv_repack.argtypes = [_int, _ptr, _i64, _i64, _ptr, _int]
@@ -102,7 +115,7 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_rope.restype = None
             lib.radixkv_sgemm_small.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
             lib.radixkv_sgemm_small.restype = None
-            lib.radixkv_qgemm.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+            lib.radixkv_qgemm.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _int]
             lib.radixkv_qgemm.restype = _int
             q, f = ctypes.POINTER(QMat), ctypes.c_float
             lib.radixkv_qk_norm.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, f, _int]
@@ -149,10 +162,12 @@ class PackedMatrix:
     ``data``: ``uint8 [rows, row_bytes]`` on the CPU, the blocks of row ``r`` in
     ``data[r]`` (GGUF's order; with ``split``, already in the kernels' layout: another
     PackedMatrix's ``data``). Rows can be reordered or stacked (``stack``) without
-    touching values.
+    touching values. ``activation_bits`` (16 or 8): the precision the inputs are rounded
+    to per block of 32 (``ACTIVATION_CODES``); every path rounds them alike.
     """
 
-    def __init__(self, type_id: int, data: torch.Tensor, cols: int, portable: bool = False, split: bool = False):
+    def __init__(self, type_id: int, data: torch.Tensor, cols: int, portable: bool = False, split: bool = False,
+                 activation_bits: int = 16):
         expected = row_bytes(type_id, cols)
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != expected:
             raise ValueError(f"{TYPES[type_id][0]} data for {cols} columns must be uint8 [rows, {expected}], "
@@ -160,12 +175,18 @@ class PackedMatrix:
         if data.device.type != "cpu":
             raise ValueError("packed weights live on the CPU")
         self.type_id = type_id
+        self.activation_bits = check_activation_bits(activation_bits)
         self.portable = portable
         self.cols = cols
         self.shape = (data.shape[0], cols)
         self._lib = load_library(portable)
         self.data = data.contiguous() if split else self._repack(data.contiguous(), to_split=True)
-        self.described = QMat(type_id, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
+        self.described = QMat(type_id, self.act_max, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
+
+    @property
+    def act_max(self) -> int:
+        """The bound of the activations' codes (``ACTIVATION_CODES``)."""
+        return ACTIVATION_CODES[self.activation_bits]
 
     def _repack(self, data: torch.Tensor, to_split: bool) -> torch.Tensor:
         out = torch.empty_like(data)
@@ -193,12 +214,13 @@ class PackedMatrix:
 
     @staticmethod
     def stack(parts: list[PackedMatrix]) -> PackedMatrix | None:
-        """One matrix of the parts' rows in order, or None when their types or widths
-        differ (the caller keeps them apart)."""
+        """One matrix of the parts' rows in order, or None when their types, widths or
+        activation bits differ (the caller keeps them apart)."""
         first = parts[0]
-        if any(p.type_id != first.type_id or p.cols != first.cols for p in parts):
+        if any((p.type_id, p.cols, p.activation_bits) != (first.type_id, first.cols, first.activation_bits) for p in parts):
             return None
-        return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable, split=True)
+        return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable, split=True,
+                            activation_bits=first.activation_bits)  # fmt: skip
 
     def linear(self, x: torch.Tensor, threads: int | None = None, dense: bool | None = None) -> torch.Tensor:
         """``x @ W.T`` for float32 ``x [..., cols]``: float32 ``[..., rows]``.
@@ -208,8 +230,9 @@ class PackedMatrix:
         panels of sixteen rows that stay in cache, tiles of six tokens by the panel's rows
         (``radixkv_qgemm``, which rounds the activations as the kernel does): for the
         32-value types on integers (the rows' codes as 16-bit pairs against the
-        activations' 16-bit codes, pmaddwd, or AVX512-VNNI's vpdpwssd where the CPU has it,
-        exact sums per block scaled once per block), for the K-quants in float32 (the
+        activations' 16-bit codes, pmaddwd, or AVX512-VNNI's vpdpwssd where the CPU has it;
+        with ``activation_bits`` 8, Q4_0 and Q4_1 as bytes against the activations' bytes,
+        pmaddubsw; exact sums per block scaled once per block), for the K-quants in float32 (the
         rounded activations times the weights dequantized into the panel). Both are
         batch-invariant (a fixed order of steps per output, whatever the batch, the tile or
         the threads). For the 32-value types the panels take the kernel's float steps in
@@ -228,11 +251,11 @@ class PackedMatrix:
         if not (n >= DENSE_FROM if dense is None else dense):
             # the type and the width were checked when the matrix was made: a failure is the allocation
             if self._lib.radixkv_qmatmul(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
-                                         y.data_ptr(), threads) != 0:  # fmt: skip
+                                         y.data_ptr(), self.act_max, threads) != 0:  # fmt: skip
                 raise MemoryError("quantized matmul could not allocate its activation buffer")
             return y.view(*lead, rows)
         if self._lib.radixkv_qgemm(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
-                                   y.data_ptr(), threads) != 0:  # fmt: skip
+                                   y.data_ptr(), self.act_max, threads) != 0:  # fmt: skip
             raise MemoryError("the dense product could not allocate its panels")
         return y.view(*lead, rows)
 

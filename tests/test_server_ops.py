@@ -136,7 +136,7 @@ def test_startup_summary_and_pool_warning(ops_server):
     log = log_text(ops_server)
     port = ops_server.url.rsplit(":", 1)[1]
     for line in (f"model: {NAME} (", "weights: native (Q8_0 x 1, float32 x 61, Q4_1 x 120), 96.6 MB",
-                 "; activations float32; KV dtype: fp32; device: cpu",
+                 "; activations float32 (rounded to 16-bit codes per block of 32); KV dtype: fp32; device: cpu",
                  f"KV pool: {POOL_TOKENS // 16} pages x 16 tokens = {POOL_TOKENS} tokens", "page size: 16",
                  "attention backend: torch", f"listening on http://127.0.0.1:{port}"):  # fmt: skip
         assert line in log, line

@@ -5,6 +5,7 @@ random blocks of every type, in the AVX2 build and the portable C build; batch
 invariance and the thread count; the prefill path against the kernel; the embedded
 model's layers; the native model against the exact fp32 model (KL on chat prompts);
 the engine's greedy contract (cache on = off, batched = alone) with native weights;
+8-bit activations (the byte panels' bits, their KL against fp32, their own namespace);
 weights settings and their errors; memory after load.
 """
 
@@ -163,7 +164,7 @@ def test_the_prefill_path_computes_the_same_product(cols):
         else:
             assert ((dense - kernel).norm() / kernel.norm()) < 2e-6
         rounded = torch.empty_like(x)
-        m._lib.radixkv_round_activations(x.data_ptr(), len(x), cols, rounded.data_ptr(), 1)
+        m._lib.radixkv_round_activations(x.data_ptr(), len(x), cols, rounded.data_ptr(), m.act_max, 1)
         exact = rounded.double() @ m.rows().double().t()
         assert ((dense.double() - exact).norm() / exact.norm()) < 1e-6
         for i in (0, 7, len(x) - 1):
@@ -175,6 +176,50 @@ def test_the_prefill_path_computes_the_same_product(cols):
         assert torch.equal(portable.linear(x, dense=True), dense)
         if TYPES[type_id][1] == 32:
             assert torch.equal(portable.linear(x[:3], dense=False), kernel[:3])
+
+
+@pytest.mark.parametrize("cols", [512, 352])
+def test_eight_bit_activations_keep_every_path_on_the_same_bits(cols):
+    """activation_bits 8 rounds inputs to codes within +-127 per block of 32 (llama.cpp's
+    activation precision). Q4_0 and Q4_1 then take byte panels on AVX2 (pmaddubsw on the
+    codes as bytes), the other 32-value types the 16-bit panels with those codes; every
+    path's integer sums are exact, so the panels, the kernel, the portable build and any
+    batch give a token the same bits, within float32 rounding of the float64 product of
+    the 8-bit-rounded activations, and further from the unrounded product than 16-bit's."""
+    k_quants = (14,) if cols % 256 == 0 else ()
+    x = torch.randn(weights.DENSE_FROM + 9, cols, generator=torch.Generator().manual_seed(cols))
+    x[1, 5] = 30.0  # an outlier channel: its block's other codes get coarse
+    for type_id in (2, 3, 6, 7, 8, *k_quants):
+        blocks = torch.from_numpy(random_blocks(type_id, 301, cols, seed=type_id))
+        m8, m16 = PackedMatrix(type_id, blocks, cols, activation_bits=8), PackedMatrix(type_id, blocks, cols)
+        assert (m8.act_max, m16.act_max) == (127, 32767)
+        dense = m8.linear(x)
+        kernel = torch.cat([m8.linear(x[i : i + 1]) for i in range(len(x))])
+        if TYPES[type_id][1] == 32:
+            assert torch.equal(dense, kernel)
+            assert torch.equal(m8.linear(x[:9], dense=False), kernel[:9])
+        codes = torch.empty_like(x)
+        m8._lib.radixkv_round_activations(x.data_ptr(), len(x), cols, codes.data_ptr(), m8.act_max, 1)
+        d = x.double().reshape(len(x), -1, 32).abs().amax(-1, keepdim=True) / 127
+        q = torch.round(x.double().reshape(len(x), -1, 32) / d)
+        assert q.abs().max() <= 127 and (codes.double() - (q * d).reshape(x.shape)).abs().max() < 1e-6
+        w = m8.rows().double()
+        exact = codes.double() @ w.t()
+        assert ((dense.double() - exact).norm() / exact.norm()) < 1e-6
+        unrounded = x.double() @ w.t()
+        err8 = (dense.double() - unrounded).norm() / unrounded.norm()
+        err16 = (m16.linear(x).double() - unrounded).norm() / unrounded.norm()
+        assert err16 * 20 < err8 < 2e-2  # 8-bit codes: coarser, still close
+        for i in (0, 1, len(x) - 1):
+            assert torch.equal(m8.linear(x[i : i + 1], dense=True)[0], dense[i])
+        assert torch.equal(m8.linear(x[3:17], dense=True, threads=1), dense[3:17])
+        portable = PackedMatrix(type_id, blocks, cols, portable=True, activation_bits=8)
+        assert torch.equal(portable.linear(x, dense=True), dense)
+        stacked = PackedMatrix.stack([m8, m8])
+        assert stacked.activation_bits == 8 and torch.equal(stacked.linear(x)[:, :301], dense)
+        assert PackedMatrix.stack([m8, m16]) is None  # never one matrix of two precisions
+    with pytest.raises(ValueError, match="activation_bits must be one of 16, 8, got 4"):
+        PackedMatrix(3, torch.from_numpy(random_blocks(3, 4, 64)), 64, activation_bits=4)
 
 
 def test_bad_input_is_refused_with_its_limits():
@@ -312,6 +357,25 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
     assert not torch.equal(q6.linear(x, dense=True)[:2], routed[:2])  # the two paths differ for it
 
 
+# activation_bits 8 against fp32 weights (README states them): per next-token distribution over the chat
+# prompts' positions, the mean KL and the largest, and the share of positions whose argmax agrees
+KL_ACT8_MEAN, KL_ACT8_MAX, TOP1_ACT8 = 2e-2, 0.1, 0.85
+
+
+def test_eight_bit_activations_stay_within_their_stated_kl_of_fp32(exact):
+    n8 = load_model(native=True, activation_bits=8)
+    kls, agree = [], []
+    for q in CHATS:
+        ids = chat_ids(q)
+        p = torch.log_softmax(all_logits(exact, ids).double(), -1)
+        r = torch.log_softmax(all_logits(n8, ids).double(), -1)
+        kls.append((p.exp() * (p - r)).sum(-1))
+        agree.append(p.argmax(-1) == r.argmax(-1))
+    kl, agree = torch.cat(kls), torch.cat(agree).double()
+    assert float(kl.mean()) < KL_ACT8_MEAN and float(kl.max()) < KL_ACT8_MAX and float(agree.mean()) >= TOP1_ACT8
+    assert float(kl.mean()) > 10 * KL_BOUND  # the coarser mode: 16-bit codes stay below KL_BOUND everywhere
+
+
 def test_native_logits_stay_within_the_stated_kl_of_fp32(native, exact):
     worst = 0.0
     for q in CHATS:
@@ -341,10 +405,25 @@ def test_auto_runs_the_quantized_gguf_natively_and_fp32_stays_exact():
     ({"weights": "native", "device": "mps"}, "float32, bfloat16, float16 on a CUDA device, not float32 on mps"),
     ({"weights": "native", "tp": 3}, "weights native does not support tp > 1"),
     ({"weights": "fp32", "dtype": "bfloat16"}, "weights fp32 expands the weights to float32, but dtype is bfloat16"),
+    ({"activation_bits": 12}, "activation_bits must be one of 16, 8, got 12"),
+    ({"activation_bits": 8, "weights": "fp32"}, "activation_bits 8 needs weights native .or auto. on the CPU"),
+    ({"activation_bits": 8, "device": "cuda"}, "activation_bits 8 needs weights native .or auto. on the CPU"),
 ])  # fmt: skip
 def test_weights_settings_errors_name_the_field(settings, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**settings)
+
+
+def test_eight_bit_activations_need_native_weights_and_name_their_own_pages():
+    with pytest.raises(ValueError, match="activation_bits 8 needs weights native on the CPU"):
+        load_model(activation_bits=8)
+    with pytest.raises(ValueError, match="activation_bits 8 needs native weights"):
+        Engine(activation_bits=8, dtype="bfloat16")  # auto expands a bfloat16 model: nothing rounds activations
+    from radixkv.cache.tiers import weights_fingerprint
+
+    n8, n16 = load_model(native=True, activation_bits=8), load_model(native=True)
+    assert n8.activation_bits == 8 and n8.weights_summary()["activation_bits"] == 8
+    assert weights_fingerprint(n8) != weights_fingerprint(n16)  # the same blocks, other KV: never one namespace
 
 
 def test_native_weights_refuse_a_model_that_is_not_gguf(tmp_path):
@@ -356,13 +435,16 @@ def test_native_weights_refuse_a_model_that_is_not_gguf(tmp_path):
     assert not EngineConfig().native_weights(resolve_model(str(tmp_path)))  # auto expands it
 
 
-def test_greedy_tokens_with_native_weights_do_not_depend_on_cache_or_batch():
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_greedy_tokens_with_native_weights_do_not_depend_on_cache_or_batch(activation_bits):
     prompts = [chat_ids(q) for q in CHATS[:3]]
     greedy = SamplingParams(max_new_tokens=12, temperature=0)
-    with Engine(kv_cache_tokens=4096, page_size=4, enable_prefix_cache=False) as cold:
+    settings = dict(kv_cache_tokens=4096, page_size=4, activation_bits=activation_bits)
+    with Engine(**settings, enable_prefix_cache=False) as cold:
         alone = [cold.generate(p, greedy).outputs[0].token_ids for p in prompts]
-    with Engine(kv_cache_tokens=4096, page_size=4) as warm:
+    with Engine(**settings) as warm:
         assert warm.model.native and warm.stats()["weights"]["mode"] == "native"
+        assert warm.stats()["weights"]["activation_bits"] == activation_bits
         warm.generate(prompts[0][:-3], greedy)  # a cached prefix, then an extend shorter than DENSE_FROM
         batched = [o.outputs[0].token_ids for o in warm.generate(prompts, greedy)]
         again = [warm.generate(p, greedy) for p in prompts]

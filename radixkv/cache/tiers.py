@@ -229,9 +229,12 @@ def layout(pool) -> dict:
 
 def weights_fingerprint(model) -> str:
     """SHA-256 over the model's configuration and tensors as loaded (names, dtypes,
-    shapes, bytes): the weights, not the file name, so two checkpoints served under one
-    name never share pages."""
+    shapes, bytes) and, where not the default 16, the bits native weights round their
+    inputs to: the weights, not the file name, so two checkpoints served under one name
+    never share pages, nor one checkpoint at two activation precisions."""
     h = hashlib.sha256(repr(model.config).encode())
+    if getattr(model, "activation_bits", 16) != 16:  # the same weights compute other KV from rounder inputs
+        h.update(f"activation_bits|{model.activation_bits}|".encode())
     for name, t in model.tensors():
         t = t.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())

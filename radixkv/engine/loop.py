@@ -67,7 +67,12 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, send: Callable[[Output], None], tokenizer: Tokenizer | None = None):
         self.config = cfg = config
         source = resolve_model(cfg.model)
-        self.model = load_model(source.path, cfg.dtype, cfg.device, native=cfg.native_weights(source))
+        native = cfg.native_weights(source)
+        if cfg.activation_bits != 16 and not native:
+            raise ValueError(f"activation_bits {cfg.activation_bits} needs native weights; {source.path.name} runs "
+                             "expanded (not a quantized GGUF of a native architecture, or dtype is not float32)")  # fmt: skip
+        self.model = load_model(source.path, cfg.dtype, cfg.device, native=native,
+                                activation_bits=cfg.activation_bits if native else 16)  # fmt: skip
         self.weights = self.model.weights_summary()  # for stats: how the weights are held
         self.tokenizer = tokenizer or Tokenizer.load(source)
         mc = self.model.config

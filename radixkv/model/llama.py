@@ -103,6 +103,7 @@ class LlamaModel:
         self.dtype = embed.dtype if isinstance(embed, torch.Tensor) else norm.dtype
         self.device = norm.device
         self.native = any(":" in name for name, _ in self.tensors())  # a packed matrix, alone or stacked
+        self.activation_bits = 16  # the packed matrices' input precision (the loader sets it: load_model)
         # on the CPU the steps between products run in C; on CUDA the dense loop's torch steps around Triton products
         native_cpu = self.native and self.device.type == "cpu"
         # Tensor parallelism (radixkv.model.tp): sums a partial ``[T, hidden]`` in place
@@ -138,15 +139,19 @@ class LlamaModel:
 
     def weights_summary(self) -> dict:
         """How the weights are held: ``mode`` (``native``: some matrices in their GGUF
-        blocks, else the dtype), their bytes, and the matrices per type."""
+        blocks, else the dtype), their bytes, the matrices per type, and for native
+        weights the bits their inputs are rounded to."""
         types: dict[str, int] = {}
         nbytes = 0
         for name, t in self.tensors():
             kind = name.rsplit(":", 1)[1] if ":" in name else str(t.dtype).removeprefix("torch.")
             types[kind] = types.get(kind, 0) + 1
             nbytes += t.numel() * t.element_size()
-        return {"mode": "native" if self.native else str(self.dtype).removeprefix("torch."), "bytes": nbytes,
-                "tensors": types}
+        out = {"mode": "native" if self.native else str(self.dtype).removeprefix("torch."), "bytes": nbytes,
+               "tensors": types}
+        if self.native:
+            out["activation_bits"] = self.activation_bits
+        return out
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor]) -> LlamaModel:

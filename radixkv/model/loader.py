@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from radixkv.errors import ModelLoadError
+from radixkv.kernels.weights import check_activation_bits
 from radixkv.model.config import ModelConfig
 from radixkv.model.gguf_file import metadata, open_gguf
 from radixkv.model.llama import NATIVE_ARCHITECTURES, LlamaModel
@@ -79,12 +80,14 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *tail).swapaxes(1, 2).reshape(rows, *tail)
 
 
-def load_gguf_state_dict(path: str | Path, native: bool = False, device: str = "cpu") -> tuple[ModelConfig, dict]:
+def load_gguf_state_dict(path: str | Path, native: bool = False, device: str = "cpu",
+                         activation_bits: int = 16) -> tuple[ModelConfig, dict]:
     """Config and HF-named tensors of a GGUF file: float32 tensors, or with ``native``
     the matrices in a quantized type the kernels read (``radixkv.kernels.weights.TYPES``)
     as ``PackedMatrix`` (their blocks unchanged, rows reordered where llama.cpp permuted
     them; on a CUDA ``device`` a ``TritonPackedMatrix`` there, the same values in planes
-    its Triton kernel reads) and the rest as float32 on the CPU. Raises ModelLoadError
+    its Triton kernel reads; ``activation_bits``: the CPU matrices' input precision) and
+    the rest as float32 on the CPU. Raises ModelLoadError
     for an unsupported architecture or quantization type. The file's mapping is released
     afterwards: every tensor kept is a copy."""
     from gguf.quants import dequantize
@@ -93,7 +96,7 @@ def load_gguf_state_dict(path: str | Path, native: bool = False, device: str = "
     if native:
         from radixkv.kernels.weights import TYPES, PackedMatrix
 
-        packed_types, pack = TYPES, PackedMatrix
+        packed_types, pack = TYPES, partial(PackedMatrix, activation_bits=activation_bits)
         if device.startswith("cuda"):
             from radixkv.kernels.triton_weights import TritonPackedMatrix
 
@@ -215,9 +218,10 @@ def load_config(source: ModelSource) -> ModelConfig:
         raise ModelLoadError(f"{source.path}/config.json is missing or incomplete: {e}") from None
 
 
-def load_state_dict(source: ModelSource, native: bool = False, device: str = "cpu") -> tuple[ModelConfig, dict]:
+def load_state_dict(source: ModelSource, native: bool = False, device: str = "cpu",
+                    activation_bits: int = 16) -> tuple[ModelConfig, dict]:
     if source.format == "gguf":
-        return load_gguf_state_dict(source.path, native, device)
+        return load_gguf_state_dict(source.path, native, device, activation_bits)
     return load_hf_state_dict(source.path)
 
 
@@ -238,15 +242,22 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     native: bool = False,
+    activation_bits: int = 16,
 ) -> LlamaModel:
     """Resolve ``model`` (a registered name, a .gguf file or an HF directory) and build
     it in ``dtype`` on ``device``; with ``native`` (a quantized GGUF; float32 on the CPU,
     float32, bfloat16 or float16 on a CUDA device) its quantized matrices stay in their
-    blocks (``radixkv.kernels.weights``; on CUDA ``radixkv.kernels.triton_weights``).
-    Weights are read-only during inference, so loads of the same file and settings share
-    one model."""
+    blocks (``radixkv.kernels.weights``; on CUDA ``radixkv.kernels.triton_weights``), and
+    on the CPU their inputs are rounded to ``activation_bits`` per block of 32 (16, or 8
+    as llama.cpp rounds them: faster prefill, less precise; only native weights on the
+    CPU take 8). Weights are read-only during inference, so loads of the same file and
+    settings share one model."""
     source = resolve_model(model)
     dtype = as_dtype(dtype)
+    check_activation_bits(activation_bits)
+    if activation_bits != 16 and not (native and str(device).startswith("cpu")):
+        raise ValueError(f"activation_bits {activation_bits} needs weights native on the CPU (the C kernels round "
+                         "activations; expanded and CUDA weights compute on them unrounded)")  # fmt: skip
     if native:
         if source.format != "gguf":
             raise ValueError(f"weights native: {source.path} is not a GGUF file (its weights are not quantized blocks)")
@@ -255,7 +266,7 @@ def load_model(
         if arch not in NATIVE_ARCHITECTURES:
             raise ValueError(f"weights native does not run {arch} models yet (only {', '.join(NATIVE_ARCHITECTURES)}): "
                              "use weights fp32")  # fmt: skip
-    return _load(source, dtype, str(device), native, source.path.stat().st_mtime_ns)
+    return _load(source, dtype, str(device), native, activation_bits, source.path.stat().st_mtime_ns)
 
 
 NATIVE_DTYPES = {"cpu": (torch.float32,), "cuda": (torch.float32, torch.bfloat16, torch.float16)}
@@ -271,12 +282,14 @@ def check_native(device: str, dtype: torch.dtype) -> None:
 
 
 @lru_cache(maxsize=2)
-def _load(source: ModelSource, dtype: torch.dtype, device: str, native: bool, _mtime: int) -> LlamaModel:
-    config, sd = load_state_dict(source, native, device)
+def _load(source: ModelSource, dtype: torch.dtype, device: str, native: bool, activation_bits: int,
+          _mtime: int) -> LlamaModel:
+    config, sd = load_state_dict(source, native, device, activation_bits)
     for k, v in sd.items():  # one tensor at a time: never two copies of the whole model
         if isinstance(v, torch.Tensor):
             sd[k] = v.to(device=device, dtype=dtype)
     model = LlamaModel.from_state_dict(config, sd)
+    model.activation_bits = activation_bits
     del sd
     _trim_heap()
     return model

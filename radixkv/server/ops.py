@@ -274,7 +274,8 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         tiers.append(f"store {cfg.kv_store.split('://')[0].split(':')[0]}")
     return [
         f"model: {model_name} ({plan.model_path}), {plan.num_layers} layers, context {engine.max_context} tokens",
-        f"weights: {_weights_line(engine.loop.weights)}; activations {cfg.dtype}; KV dtype: "
+        f"weights: {_weights_line(engine.loop.weights)}; activations {cfg.dtype}"
+        f"{_rounding(engine.loop.weights)}; KV dtype: "
         f"{pool.format.name}; device: {cfg.device}",
         f"KV pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens, "
         f"{_size(pool.num_pages * pool.config.bytes_per_page)} ({_size(pool.config.bytes_per_page)} a page)"
@@ -292,6 +293,12 @@ def _share_note(engine) -> str:
     """``; 25% of 20.1 GiB available`` when the pool was sized by a share of memory."""
     share, free = engine.config.kv_share, engine.loop.available_memory
     return "" if share is None or free is None else f"; {100 * share:g}% of {_size(free)} available"
+
+
+def _rounding(weights: dict) -> str:
+    """How native weights round their inputs, for the start-up line ("" for expanded weights)."""
+    bits = weights.get("activation_bits")
+    return f" (rounded to {bits}-bit codes per block of 32)" if bits else ""
 
 
 def _weights_line(summary: dict) -> str:
