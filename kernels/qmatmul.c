@@ -1051,6 +1051,23 @@ static void ig_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
 #define LANE_FLOATS (8 * TILE_NR)  /* a token's lanes in igtile's scratch */
 
 #ifdef USE_AVX2
+/* block i's exact integer sums a[t] (TILE_NR rows of token t) into the tokens' lane i % 8:
+ * y = fma(m, s, fma(d dx, float(sum), y)), dot_split's float steps; first: the lane's
+ * first block (it starts from zero) */
+INLINE void into_lanes(const float *dm, int64_t nb, const float *xd, const float *xs, const int mr, float *lanes,
+                       int64_t i, const int first, __m256i a[TILE_MR][2]) {
+    const float *f = dm + i * 2 * TILE_NR;
+    const __m256 d0 = _mm256_load_ps(f), d1 = _mm256_load_ps(f + 8), m0 = _mm256_load_ps(f + 16),
+                 m1 = _mm256_load_ps(f + 24);
+    for (int t = 0; t < mr; t++) {
+        const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
+        float *o = lanes + t * LANE_FLOATS + (i & 7) * TILE_NR;
+        const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_load_ps(o), y1 = first ? _mm256_setzero_ps() : _mm256_load_ps(o + 8);
+        _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][0]), _mm256_mul_ps(d0, dx), y0)));
+        _mm256_store_ps(o + 8, _mm256_fmadd_ps(m1, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][1]), _mm256_mul_ps(d1, dx), y1)));
+    }
+}
+
 /* block i of the tile into its lane; first: the lane's first block (the lane starts from zero) */
 INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
                     const float *xd, const float *xs, const int mr, float *lanes, int64_t i, const int first) {
@@ -1069,16 +1086,7 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
             a[t][1] = madd_acc(a[t][1], w1, xb);
         }
     }
-    const float *f = dm + i * 2 * TILE_NR;
-    const __m256 d0 = _mm256_load_ps(f), d1 = _mm256_load_ps(f + 8), m0 = _mm256_load_ps(f + 16),
-                 m1 = _mm256_load_ps(f + 24);
-    for (int t = 0; t < mr; t++) {
-        const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
-        float *o = lanes + t * LANE_FLOATS + (i & 7) * TILE_NR;
-        const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_load_ps(o), y1 = first ? _mm256_setzero_ps() : _mm256_load_ps(o + 8);
-        _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][0]), _mm256_mul_ps(d0, dx), y0)));
-        _mm256_store_ps(o + 8, _mm256_fmadd_ps(m1, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][1]), _mm256_mul_ps(d1, dx), y1)));
-    }
+    into_lanes(dm, nb, xd, xs, mr, lanes, i, first, a);
 }
 #endif
 
@@ -1111,17 +1119,8 @@ INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t
         }
     }
     const __m256i ones = _mm256_set1_epi16(1);
-    const float *f = dm + i * 2 * TILE_NR;
-    const __m256 d0 = _mm256_load_ps(f), d1 = _mm256_load_ps(f + 8), m0 = _mm256_load_ps(f + 16),
-                 m1 = _mm256_load_ps(f + 24);
-    for (int t = 0; t < mr; t++) {
-        const __m256i a0 = _mm256_madd_epi16(s[t][0], ones), a1 = _mm256_madd_epi16(s[t][1], ones);
-        const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
-        float *o = lanes + t * LANE_FLOATS + (i & 7) * TILE_NR;
-        const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_load_ps(o), y1 = first ? _mm256_setzero_ps() : _mm256_load_ps(o + 8);
-        _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(d0, dx), y0)));
-        _mm256_store_ps(o + 8, _mm256_fmadd_ps(m1, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(d1, dx), y1)));
-    }
+    for (int t = 0; t < mr; t++) s[t][0] = _mm256_madd_epi16(s[t][0], ones), s[t][1] = _mm256_madd_epi16(s[t][1], ones);
+    into_lanes(dm, nb, xd, xs, mr, lanes, i, first, s);
 }
 
 /* the panel's 16-bit codes tmp [TILE_NR][cols] (each < 16) as codes8 [cols / 4][TILE_NR][4],
@@ -1140,20 +1139,11 @@ static void panel_bytes(const int16_t *tmp, int64_t cols, uint8_t *rows8, uint8_
  * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. The float steps
  * are dot_split's (block i into lane i % 8, then lanes8), the lanes in scratch ([mr][8]
  * [TILE_NR] floats, 32-byte aligned). */
-INLINE void igtile_mr(const int16_t *codes, const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols,
-                      const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, const int mr,
-                      float *lanes, float *out) {
 #ifdef USE_AVX2
-    int64_t i = 0;
-    if (codes8) {
-        for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 1);
-        for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 0);
-    } else {
-        for (; i < nb && i < 8; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 1);
-        for (; i < nb; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 0);
-    }
+/* out[t] = lanes8 of token t's lanes, eight rows at once (lanes never touched: zero) */
+INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out) {
     for (int t = 0; t < mr; t++)
-        for (int h = 0; h < TILE_NR; h += 8) {  /* lanes8 for eight rows at once (lanes never touched: zero) */
+        for (int h = 0; h < TILE_NR; h += 8) {
             const float *l = lanes + t * LANE_FLOATS + h;
             __m256 v[8];
             for (int k = 0; k < 8; k++) v[k] = k < nb ? _mm256_load_ps(l + k * TILE_NR) : _mm256_setzero_ps();
@@ -1161,8 +1151,34 @@ INLINE void igtile_mr(const int16_t *codes, const uint8_t *codes8, const float *
                          s3 = _mm256_add_ps(v[3], v[7]);
             _mm256_store_ps(out + t * TILE_NR + h, _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3)));
         }
+}
+
+/* igtile_mr on byte panels (igblock8) */
+INLINE void igtile8_mr(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
+                       const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+    int64_t i = 0;
+    for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 1);
+    for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 0);
+    lanes_out(lanes, nb, mr, out);
+}
+
+INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
+                    const float *xd, const float *xs, int mr, float *lanes, float *out) {
+#define IGTILE8(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, lanes, out)
+    WITH_CONSTANT_ROWS(mr, IGTILE8);
+#undef IGTILE8
+}
+#endif
+
+INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
+                      const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+#ifdef USE_AVX2
+    int64_t i = 0;
+    for (; i < nb && i < 8; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 1);
+    for (; i < nb; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 0);
+    lanes_out(lanes, nb, mr, out);
 #else
-    (void)lanes, (void)codes8, (void)xq8;
+    (void)lanes;
     for (int t = 0; t < mr; t++)
         for (int r = 0; r < TILE_NR; r++) {
             float y[8] = {0};
@@ -1178,10 +1194,9 @@ INLINE void igtile_mr(const int16_t *codes, const uint8_t *codes8, const float *
 #endif
 }
 
-INLINE void igtile(const int16_t *codes, const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols,
-                   const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, int mr, float *lanes,
-                   float *out) {
-#define IGTILE(R) igtile_mr(codes, codes8, dm, nb, cols, xq, xq8, xd, xs, R, lanes, out)
+INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
+                   const float *xd, const float *xs, int mr, float *lanes, float *out) {
+#define IGTILE(R) igtile_mr(codes, dm, nb, cols, xq, xd, xs, R, lanes, out)
     WITH_CONSTANT_ROWS(mr, IGTILE);
 #undef IGTILE
 }
@@ -1218,8 +1233,12 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #endif
             for (int64_t t = 0; t < n; t += TILE_MR) {
                 const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-                igtile(codes, codes8, dm, nb, cols, xb->q + t * cols, xb->q8 + t * cols, xb->d + t * nb,
-                       xb->s + t * nb, mr, lanes, out);
+#ifdef USE_AVX2
+                if (bytes)
+                    igtile8(codes8, dm, nb, cols, xb->q8 + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
+                else
+#endif
+                    igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
                 for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
             }
         }
