@@ -5,8 +5,9 @@ Every system runs in its own process, the systems one after another in each roun
 over rounds. The embedded SmolLM2-135M-Instruct GGUF (Q4_1 matrices, a Q8_0 embedding
 tied to the head), ``--threads`` threads everywhere:
 
-- radixkv ``native`` (``--weights native``: the blocks read in place) and ``fp32`` (the
-  exact mode: the weights expanded to float32), through ``LlamaModel.forward`` and the
+- radixkv ``native`` (``--weights native``: the blocks read in place), ``native8`` (the
+  same with ``--activation-bits 8``: inputs rounded to 8 bits as llama.cpp rounds them) and
+  ``fp32`` (the exact mode: the weights expanded to float32), through ``LlamaModel.forward`` and the
   attention backend ``auto`` picks (the C decode kernel), as an engine step runs them:
   prefill of one 512-token prompt (logits of its last token); decode at batch 1 (a
   128-token prompt, then 64 greedy steps) and at batch 16 (16 prompts of 128 tokens, 32
@@ -17,8 +18,8 @@ tied to the head), ``--threads`` threads everywhere:
   (``benchmarks/peers/setup_llamacpp_bin.sh``); its peak RSS (which includes its KV cache
   of ``-c`` tokens at f16, so the comparison favours it).
 
-Then greedy agreement on 12 chat prompts (up to 64 tokens): radixkv native and fp32
-against llama-server on the same GGUF, and native against fp32.
+Then greedy agreement on 12 chat prompts (up to 64 tokens): radixkv native, native8 and
+fp32 against llama-server on the same GGUF, and native and native8 against fp32.
 
     .venv/bin/python benchmarks/bench_weights.py [--rounds 3] [--threads 2] [--json benchmarks/out/bench_weights.json]
 """
@@ -47,7 +48,7 @@ TARGETS = {"decode_b1_vs_llamacpp": 1.0, "decode_b16_vs_llamacpp": 1.3, "prefill
 
 
 def worker(mode: str, threads: int) -> dict:
-    """radixkv in this process: ``mode`` native or fp32."""
+    """radixkv in this process: ``mode`` native, native8 or fp32."""
     import numpy as np
     import torch
 
@@ -61,7 +62,7 @@ def worker(mode: str, threads: int) -> dict:
     from radixkv.model import load_model
     from radixkv.model.batch import ForwardBatch, SeqInput
 
-    model = load_model(native=mode == "native")
+    model = load_model(native=mode != "fp32", activation_bits=8 if mode == "native8" else 16)
     loaded_rss = rss()
     backend = get_backend("auto")
     c = model.config
@@ -145,13 +146,14 @@ def agreement(threads: int) -> dict:
     finally:
         server.close()
     runs = {"llama.cpp": theirs}
-    for weights in ("native", "fp32"):
-        with Engine(weights=weights, kv_cache_tokens=8192) as engine:
+    for name, weights, bits in (("native", "native", 16), ("native8", "native", 8), ("fp32", "fp32", 16)):
+        with Engine(weights=weights, activation_bits=bits, kv_cache_tokens=8192) as engine:
             greedy = SamplingParams(temperature=0, max_new_tokens=AGREE_TOKENS)
-            runs[f"radixkv {weights}"] = [[t for t in engine.generate(p, greedy).outputs[0].token_ids if t not in eos]
-                                          for p in prompts]  # fmt: skip
+            runs[f"radixkv {name}"] = [[t for t in engine.generate(p, greedy).outputs[0].token_ids if t not in eos]
+                                       for p in prompts]  # fmt: skip
     out = {}
-    for a, b in (("radixkv native", "llama.cpp"), ("radixkv fp32", "llama.cpp"), ("radixkv native", "radixkv fp32")):
+    for a, b in (("radixkv native", "llama.cpp"), ("radixkv native8", "llama.cpp"), ("radixkv fp32", "llama.cpp"),
+                 ("radixkv native", "radixkv fp32"), ("radixkv native8", "radixkv fp32")):  # fmt: skip
         firsts = [next((i for i, (x, y) in enumerate(zip(xs, ys)) if x != y), min(len(xs), len(ys)))
                   for xs, ys in zip(runs[a], runs[b])]  # fmt: skip
         out[f"{a} vs {b}"] = {"equal": sum(x == y for x, y in zip(runs[a], runs[b])), "prompts": len(prompts),
@@ -164,7 +166,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default="benchmarks/out/bench_weights.json")
-    ap.add_argument("--worker", choices=("native", "fp32"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("native", "native8", "fp32"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads)))
@@ -172,7 +174,7 @@ def main() -> None:
     from radixkv.model import resolve_model
 
     gguf = resolve_model().path
-    systems = ["radixkv native", "radixkv fp32"]
+    systems = ["radixkv native", "radixkv native8", "radixkv fp32"]
     if (LLAMA_BIN / "llama-bench").exists():
         systems.append("llama.cpp")
     else:
@@ -204,6 +206,11 @@ def main() -> None:
                   "decode_b16_vs_llamacpp": ours["decode_b16_tok_s"] / peer["decode_b16_tok_s"],
                   "prefill_vs_llamacpp": ours["prefill_tok_s"] / peer["prefill_tok_s"],
                   "rss_over_llamacpp_mb": ours["rss_mb"] - peer["rss_mb"]}  # fmt: skip
+    if "llama.cpp" in rows:  # the 8-bit option beside the peer that rounds activations alike (no target)
+        fast, peer = rows["radixkv native8"], rows["llama.cpp"]
+        print(f"\nnative8 / llama.cpp: prefill {fast['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x, decode b1 "
+              f"{fast['decode_b1_tok_s'] / peer['decode_b1_tok_s']:.2f}x, b16 "
+              f"{fast['decode_b16_tok_s'] / peer['decode_b16_tok_s']:.2f}x")  # fmt: skip
     print(f"\n{'target':<26}{'measured':>10}{'goal':>8}")
     for k, v in ratios.items():
         goal = TARGETS[k]

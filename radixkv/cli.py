@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument("--scale", choices=("tiny", "small", "full"), default="small", help="workload sizes (default small)")
     bench.add_argument("--workloads", help="comma-separated subset of few_shot,multi_turn,branching,rag,agent")
-    bench.add_argument("--systems", help="comma-separated subset of radixkv,radixkv-no-cache,radixkv-bf16-kv,transformers,llama.cpp")
+    bench.add_argument("--systems", help="comma-separated subset of radixkv,radixkv-no-cache,radixkv-bf16-kv,radixkv-act8,"
+                                          "transformers,llama.cpp")
     bench.add_argument("--out", default="benchmarks/out", help="where JSON and plots go (default benchmarks/out)")
 
     sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")

@@ -12,6 +12,8 @@ concurrently the way a program sends them):
     radixkv no-cache   the same with --no-enable-prefix-cache
     radixkv bf16-kv    the same with --kv-dtype bf16 (half fp32's KV bytes; a 16-bit
                        cache, as llama.cpp's default f16 one)
+    radixkv act8       the same with --activation-bits 8 (inputs of the native products
+                       rounded to 8 bits, as llama.cpp rounds them: faster prefill)
     transformers       HF transformers in this process, request by request (benchmarks/peers;
                        source checkout)
     llama.cpp          llama-cpp-python's OpenAI server on the same GGUF, if installed
@@ -30,7 +32,7 @@ the system reports it), and whether the program texts equal transformers'. Also:
 bar chart of output tok/s, and a hit-rate-vs-cache-size plot from `radixkv sim` replays of
 each workload's trace.
 
-    radixkv bench [--scale full|small|tiny] [--workloads rag,agent] [--systems radixkv,radixkv-no-cache,radixkv-bf16-kv]
+    radixkv bench [--scale full|small|tiny] [--workloads rag,agent] [--systems radixkv,radixkv-no-cache,radixkv-act8]
     .venv/bin/python benchmarks/bench_e2e.py [...] [--systems radixkv,radixkv-no-cache,transformers,llama.cpp]
 """
 
@@ -138,6 +140,7 @@ SYSTEMS: dict[str, Callable] = {
     "radixkv": lambda: Served(),
     "radixkv-no-cache": lambda: Served("--no-enable-prefix-cache"),
     "radixkv-bf16-kv": lambda: Served("--kv-dtype", "bf16"),
+    "radixkv-act8": lambda: Served("--activation-bits", "8"),
 }
 
 
