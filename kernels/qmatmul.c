@@ -1088,9 +1088,7 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
     }
     into_lanes(dm, nb, xd, xs, mr, lanes, i, first, a);
 }
-#endif
 
-#ifdef USE_AVX2
 /* igblock on bytes, for 4-bit codes and 8-bit activations (act_max 127): codes8 [cols / 4]
  * [TILE_NR][4] (four columns of a row in a 32-bit lane), xq8 the tokens' codes as bytes.
  * pmaddubsw multiplies a row's four codes by the token's four and adds pairs into 16-bit
@@ -1099,7 +1097,7 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
  * float steps give the same bits. */
 INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
                      const float *xd, const float *xs, const int mr, float *lanes, int64_t i, const int first) {
-    __m256i s[TILE_MR][2];  /* 12 16-bit sums, two vectors of codes, a broadcast */
+    __m256i s[TILE_MR][2];  /* 12 16-bit sums (then their 32-bit ones), two vectors of codes, a broadcast */
     const uint8_t *c = codes8 + i * 32 * TILE_NR;
 #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
