@@ -1089,18 +1089,24 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
     into_lanes(dm, nb, xd, xs, mr, lanes, i, first, a);
 }
 
-/* igblock on bytes, for 4-bit codes and 8-bit activations (act_max 127): codes8 [cols / 4]
- * [TILE_NR][4] (four columns of a row in a 32-bit lane), xq8 the tokens' codes as bytes.
- * pmaddubsw multiplies a row's four codes by the token's four and adds pairs into 16-bit
- * lanes (at most 2 x 15 x 127); eight of those (a block) sum in 16 bits (at most 30,480),
- * then pmaddwd by ones gives each row's exact int32 sum: igblock's integers, so the same
- * float steps give the same bits. */
+/* igblock on bytes, for 4- and 5-bit codes and 8-bit activations (act_max 127): codes8
+ * [cols / 4][TILE_NR][4] (four columns of a row in a 32-bit lane), xq8 the tokens' codes as
+ * bytes. pmaddubsw multiplies a row's four codes by the token's four and adds pairs into
+ * 16-bit lanes (at most 2 x 15 x 127 = 3,810 for 4-bit codes, 7,874 for 5-bit); eight of
+ * those (a block) sum in 16 bits for 4-bit codes (at most 30,480), four for 5-bit ones
+ * (`wide`: the first half is widened and kept aside), then pmaddwd by ones gives each
+ * row's exact int32 sum: igblock's integers, so the same float steps give the same bits. */
 INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                     const float *xd, const float *xs, const int mr, float *lanes, int64_t i, const int first) {
+                     const float *xd, const float *xs, const int mr, const int wide, float *lanes, int64_t i,
+                     const int first) {
     __m256i s[TILE_MR][2];  /* 12 16-bit sums (then their 32-bit ones), two vectors of codes, a broadcast */
+    __m256i half[TILE_MR][2];  /* wide: the first four quads' 32-bit sums */
+    const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t *c = codes8 + i * 32 * TILE_NR;
 #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
+        if (wide && k == 4)
+            for (int t = 0; t < mr; t++) half[t][0] = _mm256_madd_epi16(s[t][0], ones), half[t][1] = _mm256_madd_epi16(s[t][1], ones);
         const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k));
         const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k + 32));
         for (int t = 0; t < mr; t++) {
@@ -1108,7 +1114,7 @@ INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t
             memcpy(&quad, xq8 + t * cols + 32 * i + 4 * k, sizeof quad);
             const __m256i xb = _mm256_set1_epi32(quad);
             const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
-            if (k == 0) {
+            if (k == 0 || (wide && k == 4)) {
                 s[t][0] = p0, s[t][1] = p1;
             } else {
                 s[t][0] = _mm256_add_epi16(s[t][0], p0), s[t][1] = _mm256_add_epi16(s[t][1], p1);
@@ -1116,12 +1122,14 @@ INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t
             }
         }
     }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int t = 0; t < mr; t++) s[t][0] = _mm256_madd_epi16(s[t][0], ones), s[t][1] = _mm256_madd_epi16(s[t][1], ones);
+    for (int t = 0; t < mr; t++) {
+        s[t][0] = _mm256_madd_epi16(s[t][0], ones), s[t][1] = _mm256_madd_epi16(s[t][1], ones);
+        if (wide) s[t][0] = _mm256_add_epi32(half[t][0], s[t][0]), s[t][1] = _mm256_add_epi32(half[t][1], s[t][1]);
+    }
     into_lanes(dm, nb, xd, xs, mr, lanes, i, first, s);
 }
 
-/* the panel's 16-bit codes tmp [TILE_NR][cols] (each < 16) as codes8 [cols / 4][TILE_NR][4],
+/* the panel's 16-bit codes tmp [TILE_NR][cols] (each < 32) as codes8 [cols / 4][TILE_NR][4],
  * through rows8 ([TILE_NR][cols] bytes) */
 static void panel_bytes(const int16_t *tmp, int64_t cols, uint8_t *rows8, uint8_t *codes8) {
     for (int64_t j = 0; j < TILE_NR * cols; j += 32) {
@@ -1151,20 +1159,25 @@ INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out) 
         }
 }
 
-/* igtile_mr on byte panels (igblock8) */
+/* igtile_mr on byte panels (igblock8; wide: 5-bit codes) */
 INLINE void igtile8_mr(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                       const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+                       const float *xd, const float *xs, const int mr, const int wide, float *lanes, float *out) {
     int64_t i = 0;
-    for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 1);
-    for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, lanes, i, 0);
+    for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 1);
+    for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 0);
     lanes_out(lanes, nb, mr, out);
 }
 
 INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                    const float *xd, const float *xs, int mr, float *lanes, float *out) {
-#define IGTILE8(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, lanes, out)
-    WITH_CONSTANT_ROWS(mr, IGTILE8);
-#undef IGTILE8
+                    const float *xd, const float *xs, int mr, const int wide, float *lanes, float *out) {
+#define IGTILE8W(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 1, lanes, out)
+#define IGTILE8N(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 0, lanes, out)
+    if (wide)
+        WITH_CONSTANT_ROWS(mr, IGTILE8W);
+    else
+        WITH_CONSTANT_ROWS(mr, IGTILE8N);
+#undef IGTILE8W
+#undef IGTILE8N
 }
 #endif
 
@@ -1201,8 +1214,8 @@ INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t co
 
 /* y[n, rows] = W^T times the rounded activations xb for a 32-value type on integer panels,
  * called by every thread of a parallel region: each thread takes a contiguous range of
- * panels (ends with a barrier). Q4_0 and Q4_1 against 8-bit activations (act_max 127)
- * take byte panels (igblock8), the rest 16-bit pairs (igblock). The bits are dot_rows',
+ * panels (ends with a barrier). The 4- and 5-bit types against 8-bit activations (act_max
+ * 127) take byte panels (igblock8), the rest 16-bit pairs (igblock). The bits are dot_rows',
  * so a thread that cannot have its scratch computes its rows through dot_rows instead. */
 static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     const int64_t cols = m->cols, nb = cols / 32, rb = row_bytes(m->type, cols), rows = m->rows;
@@ -1213,10 +1226,12 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     float *dm = aligned_alloc(32, sizeof(float) * 2 * TILE_NR * (size_t)nb), *dtmp = malloc(sizeof(float) * 2 * (size_t)nb);
     float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
     float *lanes = aligned_alloc(32, sizeof(float) * LANE_FLOATS * TILE_MR);
-#ifdef USE_AVX2  /* 4-bit codes and 8-bit activations: the byte panels (igblock8) */
-    const int bytes = m->act_max <= 127 && (m->type == T_Q4_0 || m->type == T_Q4_1);
+#ifdef USE_AVX2  /* 4- and 5-bit codes and 8-bit activations: the byte panels (igblock8) */
+    const int wide = m->type == T_Q5_0 || m->type == T_Q5_1;  /* 5-bit codes */
+    const int bytes = m->act_max <= 127 && (wide || m->type == T_Q4_0 || m->type == T_Q4_1);
 #else
-    const int bytes = 0;
+    const int bytes = 0, wide = 0;
+    (void)wide;
 #endif
     uint8_t *rows8 = bytes ? aligned_alloc(32, TILE_NR * (size_t)cols) : NULL;
     uint8_t *codes8 = bytes ? aligned_alloc(32, TILE_NR * (size_t)cols) : NULL;
@@ -1233,7 +1248,8 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
                 const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
 #ifdef USE_AVX2
                 if (bytes)
-                    igtile8(codes8, dm, nb, cols, xb->q8 + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
+                    igtile8(codes8, dm, nb, cols, xb->q8 + t * cols, xb->d + t * nb, xb->s + t * nb, mr, wide, lanes,
+                            out);
                 else
 #endif
                     igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);

@@ -47,7 +47,7 @@ DENSE_FROM = 32  # tokens from which linear() takes the panel path by default
 
 # activation_bits -> the codes' bound: activations are rounded per block of 32 to codes
 # within +-bound times a scale (16: the default; 8: llama.cpp's precision, whose byte
-# products the integer panels take twice as fast for Q4_0 and Q4_1)
+# products the integer panels take 1.4-1.6x as fast for Q4_0, Q4_1, Q5_0 and Q5_1)
 ACTIVATION_CODES = {16: 32767, 8: 127}
 
 
@@ -231,7 +231,7 @@ class PackedMatrix:
         (``radixkv_qgemm``, which rounds the activations as the kernel does): for the
         32-value types on integers (the rows' codes as 16-bit pairs against the
         activations' 16-bit codes, pmaddwd, or AVX512-VNNI's vpdpwssd where the CPU has it;
-        with ``activation_bits`` 8, Q4_0 and Q4_1 as bytes against the activations' bytes,
+        with ``activation_bits`` 8, the Q4 and Q5 types as bytes against the activations' bytes,
         pmaddubsw; exact sums per block scaled once per block), for the K-quants in float32 (the
         rounded activations times the weights dequantized into the panel). Both are
         batch-invariant (a fixed order of steps per output, whatever the batch, the tile or

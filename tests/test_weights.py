@@ -181,7 +181,7 @@ def test_the_prefill_path_computes_the_same_product(cols):
 @pytest.mark.parametrize("cols", [512, 352])
 def test_eight_bit_activations_keep_every_path_on_the_same_bits(cols):
     """activation_bits 8 rounds inputs to codes within +-127 per block of 32 (llama.cpp's
-    activation precision). Q4_0 and Q4_1 then take byte panels on AVX2 (pmaddubsw on the
+    activation precision). The Q4 and Q5 types then take byte panels on AVX2 (pmaddubsw on the
     codes as bytes), the other 32-value types the 16-bit panels with those codes; every
     path's integer sums are exact, so the panels, the kernel, the portable build and any
     batch give a token the same bits, within float32 rounding of the float64 product of
@@ -220,6 +220,28 @@ def test_eight_bit_activations_keep_every_path_on_the_same_bits(cols):
         assert PackedMatrix.stack([m8, m16]) is None  # never one matrix of two precisions
     with pytest.raises(ValueError, match="activation_bits must be one of 16, 8, got 4"):
         PackedMatrix(3, torch.from_numpy(random_blocks(3, 4, 64)), 64, activation_bits=4)
+
+
+# where each type's codes lie in a GGUF block: (first byte, last byte + 1) of qh (5-bit types) and qs
+CODE_BYTES = {2: [(2, 18)], 3: [(4, 20)], 6: [(2, 22)], 7: [(4, 24)]}
+
+
+def test_the_byte_panels_hold_the_largest_sums_without_overflow():
+    """Every code at its largest (15, or 31 for Q5) against every activation code at 127:
+    a block's sums are the 16-bit lanes' worst case (Q4: 30,480, within int16; Q5: twice
+    that, which the byte tile widens halfway). The byte panels must still give the 16-bit
+    kernel's bits."""
+    cols = 256
+    x = torch.full((weights.DENSE_FROM + 1, cols), 0.75)
+    x[1] = -0.75
+    for type_id, spans in CODE_BYTES.items():
+        blocks = random_blocks(type_id, 32, cols, seed=type_id).reshape(32, cols // 32, -1)
+        for a, b in spans:
+            blocks[:, :, a:b] = 0xFF
+        m8 = PackedMatrix(type_id, torch.from_numpy(blocks.reshape(32, -1)), cols, activation_bits=8)
+        assert int(m8.blocks().view(32, cols // 32, -1)[0, 0, spans[0][0]]) == 0xFF
+        kernel = torch.cat([m8.linear(x[i : i + 1]) for i in range(len(x))])  # 16-bit madd on the same codes
+        assert torch.equal(m8.linear(x, dense=True), kernel)
 
 
 def test_bad_input_is_refused_with_its_limits():

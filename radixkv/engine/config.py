@@ -46,7 +46,7 @@ class EngineConfig:
     # expanded to dtype)
     weights: str = "auto"
     # native weights on the CPU: the bits their inputs are rounded to per block of 32; 16, or 8 (llama.cpp's
-    # precision: Q4_0 and Q4_1 prefill products twice as fast, logits further from the exact mode)
+    # precision: the Q4/Q5 types' prefill products 1.4-1.6x as fast, logits further from the exact mode)
     activation_bits: int = 16
     kv_dtype: str = "auto"  # the KV cache's format; auto: the weights' dtype
     kv_scales: str | None = None  # fp8 KV: a JSON scale file, or "unity"; no other format takes one

@@ -34,7 +34,7 @@ HELP = {
                "to that dtype (fp32 is the exact mode, token-equal to transformers); auto: native for a quantized "
                "GGUF on the CPU at tp 1, else --dtype",
     "activation_bits": "native weights on the CPU: bits their inputs are rounded to per block of 32: 16 (default), "
-                       "or 8 as llama.cpp rounds them (Q4_0/Q4_1 prefill products ~1.5x faster, logits further from "
+                       "or 8 as llama.cpp rounds them (Q4/Q5 types' prefill products 1.4-1.6x faster, logits further from "
                        "the exact mode; its KV never shares pages with 16's)",
     "kv_dtype": "KV cache format: auto (the weights' dtype), fp32, bf16, fp16, int8 (a scale byte per token and KV "
                 "head: 0.254x fp32's bytes at head size 64), int4 (KIVI, quantized per page: 0.16x at page size 16), "
