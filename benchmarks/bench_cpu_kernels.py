@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import median_seconds, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
 from radixkv.model import load_model  # noqa: E402
@@ -40,17 +39,6 @@ HQ, HKV, DIM, PAGE = 9, 3, 64, 16
 EXTENDS = {"few-shot 771 over 1152": (1, 1152, 771), "RAG 4 x 300 over 1500": (4, 1500, 300),
            "prefill 512": (1, 0, 512)}  # fmt: skip
 PRODUCT_TOKENS = 771
-
-
-def seconds(fn, repeat: int) -> float:
-    """Median seconds of ``repeat`` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 class Extend:
@@ -118,10 +106,10 @@ def main() -> int:
     for _ in range(args.rounds):
         for label, p in extends.items():
             for name in ("cpu", "torch"):
-                samples.setdefault(("extend", label, name), []).append(seconds(p.call(name), args.repeat))
+                samples.setdefault(("extend", label, name), []).append(median_seconds(p.call(name), args.repeat))
         for label, prod in products.items():
             for name, fn in prod["calls"].items():
-                samples.setdefault(("product", label, name), []).append(seconds(fn, args.repeat))
+                samples.setdefault(("product", label, name), []).append(median_seconds(fn, args.repeat))
     med = {k: statistics.median(v) for k, v in samples.items()}
 
     rows = []

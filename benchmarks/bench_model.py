@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import paged_decode_seconds, transformers_decode_seconds, write_result  # noqa: E402
+from benchmarks.common import (median_seconds, paged_decode_seconds, transformers_decode_seconds,  # noqa: E402
+                               write_result)
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
@@ -39,23 +39,13 @@ BATCH, CONTEXT, STEPS = 16, 128, 32
 TARGETS = {"prefill_tok_s": 600, "decode_tok_s": 130}
 
 
-def timed(fn, repeat: int) -> float:
-    """Median seconds of ``repeat`` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_radixkv(prompt, prompts, repeat, backend):
     model = load_model()
     c = model.config
     pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=4096))
     table = pool.alloc(-(-PREFILL // 16))
-    prefill = timed(lambda: model.forward(ForwardBatch.build([SeqInput(prompt, 0, table)], 16), pool, backend), repeat)
+    prefill = median_seconds(lambda: model.forward(ForwardBatch.build([SeqInput(prompt, 0, table)], 16), pool, backend),
+                             repeat)  # fmt: skip
 
     def decode():
         return paged_decode_seconds(model, pool, backend, prompts, STEPS)
@@ -74,7 +64,7 @@ def bench_transformers(prompt, prompts, repeat):
     ).eval()
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        prefill = timed(lambda: model(ids, logits_to_keep=1), repeat)
+        prefill = median_seconds(lambda: model(ids, logits_to_keep=1), repeat)
 
         def decode():
             return transformers_decode_seconds(model, prompts, STEPS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -21,6 +22,17 @@ FIDELITY_CHATS = [
     [{"role": "user", "content": "Explain recursion to a child in one sentence."}],
     [{"role": "user", "content": "Traduis en anglais : « Le chat dort sur le canapé. »"}],
 ]  # fmt: skip
+
+
+def median_seconds(fn, repeat: int) -> float:
+    """Median seconds of ``repeat`` calls of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 @torch.inference_mode()
