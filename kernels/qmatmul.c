@@ -739,12 +739,14 @@ typedef struct {  /* room for n tokens' rounded activations of up to `blocks` bl
     float *d, *s;
 } xbuf;
 
-static int xbuf_alloc(xbuf *b, int64_t n, int64_t blocks) {
+/* bytes: room for the codes as bytes too (products whose act_max is 127: quantize_rows
+ * writes them) */
+static int xbuf_alloc(xbuf *b, int64_t n, int64_t blocks, int bytes) {
     b->q = malloc(sizeof(int16_t) * 32 * (size_t)(n * blocks));
-    b->q8 = malloc(32 * (size_t)(n * blocks));
+    b->q8 = bytes ? malloc(32 * (size_t)(n * blocks)) : NULL;
     b->d = malloc(sizeof(float) * 2 * (size_t)(n * blocks));
     b->s = b->d ? b->d + n * blocks : NULL;
-    if (b->q && b->q8 && b->d) return 0;
+    if (b->q && (b->q8 || !bytes) && b->d) return 0;
     free(b->q);
     free(b->q8);
     free(b->d);
@@ -818,7 +820,7 @@ int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, cons
     if (row_bytes(type, cols) < 0) return -1;
     qmat m = {type, act_max, rows, cols, w};
     xbuf xb;
-    if (xbuf_alloc(&xb, n, cols / 32)) return -2;
+    if (xbuf_alloc(&xb, n, cols / 32, act_max <= 127)) return -2;
 #pragma omp parallel num_threads(threads)
     {
         if (omp_get_thread_num() == 0) last_threads = omp_get_num_threads();
@@ -1276,7 +1278,7 @@ int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
     const qmat m = {type, act_max, rows, cols, w};
     const int64_t nb = cols / 32, panels = (rows + TILE_NR - 1) / TILE_NR;
     xbuf xb;
-    if (xbuf_alloc(&xb, n, nb)) return -2;
+    if (xbuf_alloc(&xb, n, nb, act_max <= 127)) return -2;
     if (is_split(type)) {
 #pragma omp parallel num_threads(threads)
         {
@@ -1429,8 +1431,9 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
     if (inter > widest) widest = inter;
     float *h = malloc(sizeof(float) * (size_t)(n * (2 * hidden + 3 * inter)));
     float *tmp = h ? h + n * hidden : NULL, *gu = h ? tmp + n * hidden : NULL, *a = h ? gu + 2 * n * inter : NULL;
+    const qmat *some = attn ? o : qkv;  /* the layer's matrices share their act_max (one model, one precision) */
     xbuf xb;
-    if (!h || xbuf_alloc(&xb, n, widest / 32)) {
+    if (!h || xbuf_alloc(&xb, n, widest / 32, some && some->act_max <= 127)) {
         free(h);
         return -2;
     }
