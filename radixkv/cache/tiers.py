@@ -233,7 +233,7 @@ def weights_fingerprint(model) -> str:
     inputs to: the weights, not the file name, so two checkpoints served under one name
     never share pages, nor one checkpoint at two activation precisions."""
     h = hashlib.sha256(repr(model.config).encode())
-    if getattr(model, "activation_bits", 16) != 16:  # the same weights compute other KV from rounder inputs
+    if model.activation_bits != 16:  # the same weights compute other KV from rounder inputs
         h.update(f"activation_bits|{model.activation_bits}|".encode())
     for name, t in model.tensors():
         t = t.detach().contiguous().cpu()

@@ -103,7 +103,10 @@ class LlamaModel:
         self.dtype = embed.dtype if isinstance(embed, torch.Tensor) else norm.dtype
         self.device = norm.device
         self.native = any(":" in name for name, _ in self.tensors())  # a packed matrix, alone or stacked
-        self.activation_bits = 16  # the packed matrices' input precision (the loader sets it: load_model)
+        # the CPU packed matrices' input precision (one per model: the loader packs them alike; 16 without any)
+        cpu_packed = [p for _, m in self._matrices() for p in (m.parts if isinstance(m, Stacked) else [m])
+                      if isinstance(p, PackedMatrix)]  # fmt: skip
+        self.activation_bits = cpu_packed[0].activation_bits if cpu_packed else 16
         # on the CPU the steps between products run in C; on CUDA the dense loop's torch steps around Triton products
         native_cpu = self.native and self.device.type == "cpu"
         # Tensor parallelism (radixkv.model.tp): sums a partial ``[T, hidden]`` in place

@@ -289,7 +289,6 @@ def _load(source: ModelSource, dtype: torch.dtype, device: str, native: bool, ac
         if isinstance(v, torch.Tensor):
             sd[k] = v.to(device=device, dtype=dtype)
     model = LlamaModel.from_state_dict(config, sd)
-    model.activation_bits = activation_bits
     del sd
     _trim_heap()
     return model
