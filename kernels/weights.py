@@ -216,8 +216,8 @@ class PackedMatrix:
     def stack(parts: list[PackedMatrix]) -> PackedMatrix | None:
         """One matrix of the parts' rows in order, or None when their types, widths or
         activation bits differ (the caller keeps them apart)."""
-        first = parts[0]
-        if any((p.type_id, p.cols, p.activation_bits) != (first.type_id, first.cols, first.activation_bits) for p in parts):
+        first, kind = parts[0], lambda p: (p.type_id, p.cols, p.activation_bits)
+        if any(kind(p) != kind(first) for p in parts):
             return None
         return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable, split=True,
                             activation_bits=first.activation_bits)  # fmt: skip
