@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import re
 
 import pytest
 import torch
@@ -214,7 +215,8 @@ def test_kv_dtype_is_apart_from_the_weights_dtype():
 def test_without_a_size_the_pool_takes_a_share_of_available_memory_committed_as_it_fills():
     """No kv_cache_tokens / memory_bytes: the pool is kv_memory_share (default 0.25) of
     the memory available once the weights are loaded, said in the startup summary; its
-    memory is committed page by page as the cache writes it, not at start."""
+    memory is committed page by page as the cache writes it, not at start (kv_commit
+    auto; a pool of a given size is committed at start, and the summary says which)."""
     from radixkv.cache.pool import available_memory
     from radixkv.engine.config import DEFAULT_KV_MEMORY_SHARE
     from radixkv.server.ops import Plan, summary
@@ -223,26 +225,26 @@ def test_without_a_size_the_pool_takes_a_share_of_available_memory_committed_as_
         plan = Plan("m", 30, 8192, engine.pool.num_pages, 16, engine.pool.config.bytes_per_page, ())
         return next(x for x in summary(engine, plan, "m", "127.0.0.1", 1, 0.0) if x.startswith("KV pool:"))
 
-    def rss() -> int:
-        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
     for share in (None, 0.4):
-        before = rss()
         with make(kv_cache_tokens=None, kv_memory_share=share) as e:
             free = e.loop.available_memory
             assert abs(free - available_memory()) < 0.2 * free  # measured with the weights loaded
             budget = int((share or DEFAULT_KV_MEMORY_SHARE) * free)
             pool_bytes = e.pool.num_pages * e.pool.config.bytes_per_page
             assert budget - e.pool.config.bytes_per_page < pool_bytes <= budget
-            assert rss() - before < min(pool_bytes / 4, 300 << 20)  # gigabytes reserved, not resident
+            assert e.pool.resident_bytes() < 1 << 20  # gigabytes reserved, not resident
             assert e.generate("The capital of France is", GREEDY).outputs[0].token_ids
+            assert 0 < e.pool.resident_bytes() < 8 << 20  # the pages the request wrote
             e.check_integrity()
             line = pool_line(e)
             assert line.endswith(f"; {100 * (share or DEFAULT_KV_MEMORY_SHARE):g}% of {line.rsplit(' of ', 1)[1]}")
-            assert "GiB available" in line or "MiB available" in line
-    with make(kv_cache_tokens=None, memory_bytes=1 << 24) as sized:  # a size given: no share, no note
+            assert "GiB available; committed as it fills" in line or "MiB available; committed as it fills" in line
+    with make(kv_cache_tokens=None, memory_bytes=1 << 24) as sized:  # a size given: no share; committed at start
         assert sized.pool.num_pages == (1 << 24) // sized.pool.config.bytes_per_page
-        assert not pool_line(sized).endswith("available")
+        assert re.search(r"\(\d+\.\d KiB a page\); committed at start-up in \d+\.\d\d s$", pool_line(sized))
+        assert sized.pool.resident_bytes() >= sized.pool.num_pages * sized.pool.config.bytes_per_page
+    with pytest.raises(ValueError, match="kv_commit must be one of auto, upfront, lazy, got 'eager'"):
+        Engine(kv_commit="eager")
     with pytest.raises(ValueError, match=r"kv_memory_share must be in \(0, 0.95\], got 1.0"):
         Engine(kv_memory_share=1.0)
     with pytest.raises(ValueError, match="at most one of kv_cache_tokens, memory_bytes and kv_memory_share"):

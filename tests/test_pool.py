@@ -186,6 +186,29 @@ def test_kv_pool_sized_from_a_byte_budget():
     assert KVPool(cfg).num_pages == 1000 // 256
 
 
+@pytest.mark.skipif(KVPool(PoolConfig(1, 1, 8, num_pages=1)).resident_bytes() is None, reason="needs mincore")
+def test_commit_writes_the_pool_once_so_its_memory_is_resident_at_start():
+    """commit=True: every page's memory is written at construction (resident now, content
+    zero, commit_seconds set); without it the pool is reserved, not resident, and its
+    pages become resident as they are written. Each part is 48 MiB, above any malloc
+    threshold, so its memory comes fresh from the system."""
+    cfg = dict(num_layers=1, num_kv_heads=3, head_dim=64, page_size=16, num_pages=4096, kv_dtype="fp32")
+    nbytes = 2 * 4096 * 16 * 3 * 64 * 4
+    lazy = KVPool(PoolConfig(**cfg))
+    assert lazy.commit_seconds is None and lazy.resident_bytes() < nbytes // 100
+    lazy.k[0][:2048] = 1.0  # half of K: a quarter of the pool
+    assert 0.24 * nbytes < lazy.resident_bytes() < 0.3 * nbytes  # (a huge page may round it up)
+    del lazy
+    pool = KVPool(PoolConfig(**cfg, commit=True))
+    assert nbytes <= pool.resident_bytes() <= nbytes + 2 * 2 * 4096 and pool.commit_seconds > 0  # + partial OS pages
+    assert not pool.k[0].any() and not pool.v[0].any()
+    slots = torch.tensor([5, 17], dtype=torch.int64)
+    pool.alloc(2)
+    pool.store_kv(0, torch.ones(2, 3, 64), torch.full((2, 3, 64), 2.0), slots)
+    assert pool.k[0].view(-1, 3, 64)[slots].eq(1).all() and pool.v[0].view(-1, 3, 64)[slots].eq(2).all()
+    pool.check_integrity()
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

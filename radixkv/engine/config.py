@@ -18,6 +18,7 @@ from radixkv.validate import check_float, check_int, check_optional_int
 WEIGHTS = ("auto", "native", "fp32", "bf16", "fp16")
 DEFAULT_KV_MEMORY_SHARE = 0.25  # of the memory available after loading: the KV pool when no size is given
 MAX_KV_MEMORY_SHARE = 0.95
+KV_COMMIT = ("auto", "upfront", "lazy")  # when the CPU pool's memory is committed: EngineConfig.kv_commit
 DENSE_WEIGHTS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -28,9 +29,15 @@ class EngineConfig:
     KV capacity: ``kv_cache_tokens`` (tokens), ``memory_bytes`` (bytes) or
     ``kv_memory_share`` (that share of the memory still available once the weights are
     loaded, like vLLM's ``gpu_memory_utilization``), at most one; none of them means
-    ``kv_memory_share`` = ``DEFAULT_KV_MEMORY_SHARE``. On the CPU the pool's memory is
-    committed as the cache fills it, so a large pool costs resident memory only as it is
-    used.
+    ``kv_memory_share`` = ``DEFAULT_KV_MEMORY_SHARE``.
+
+    ``kv_commit``, on the CPU: ``upfront`` writes the whole pool once at start-up, so the
+    system commits its memory then (as vLLM and llama.cpp do with theirs) and no forward
+    pays the first write of a page; ``lazy`` leaves it to be committed as the cache first
+    fills it, so a large pool costs resident memory only as it is used; ``auto``
+    (default): upfront for a pool of a given size (``kv_cache_tokens``,
+    ``memory_bytes``), lazy for a share of the memory available (the default pool, a
+    quarter of what is free, stays out of resident memory until used).
     """
 
     model: str = DEFAULT_MODEL
@@ -38,6 +45,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     memory_bytes: int | None = None
     kv_memory_share: float | None = None  # (0, 0.95]; None: DEFAULT_KV_MEMORY_SHARE unless a size is given
+    kv_commit: str = "auto"  # auto | upfront | lazy: when the CPU pool's memory is committed (see above)
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
     # weights: native (a GGUF's quantized blocks read in place; activations float32 on the CPU, float32,
@@ -87,6 +95,13 @@ class EngineConfig:
             return None
         return self.kv_memory_share or DEFAULT_KV_MEMORY_SHARE
 
+    @property
+    def commits_upfront(self) -> bool:
+        """Whether the pool's memory is written at start-up (``kv_commit``, ``auto`` resolved)."""
+        if self.kv_commit == "auto":
+            return self.kv_cache_tokens is not None or self.memory_bytes is not None
+        return self.kv_commit == "upfront"
+
     def kv_pool_bytes(self, available: int | None) -> int | None:
         """The pool's byte budget when no token count is given: ``memory_bytes``, else
         ``kv_share`` of ``available`` bytes (1 GiB when that cannot be told); None with
@@ -105,6 +120,8 @@ class EngineConfig:
             raise ValueError(f"give at most one of kv_cache_tokens, memory_bytes and kv_memory_share (got {', '.join(sizes)})")
         if self.kv_memory_share is not None:
             check_float("kv_memory_share", self.kv_memory_share, 0.0, MAX_KV_MEMORY_SHARE, lo_open=True)
+        if self.kv_commit not in KV_COMMIT:
+            raise ValueError(f"kv_commit must be one of {', '.join(KV_COMMIT)}, got {self.kv_commit!r}")
         check_float("max_pinned_share", self.max_pinned_share, 0.0, 1.0)
         for name in ("hint_ttl", "session_ttl"):
             check_float(name, getattr(self, name), 0.0, MAX_TTL, lo_open=True)

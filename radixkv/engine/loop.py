@@ -77,7 +77,8 @@ class EngineLoop:
         self.tokenizer = tokenizer or Tokenizer.load(source)
         mc = self.model.config
         pool_cfg = dict(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                        page_size=cfg.page_size, kv_dtype=cfg.kv_format, device=cfg.device)  # fmt: skip
+                        page_size=cfg.page_size, kv_dtype=cfg.kv_format, device=cfg.device,
+                        commit=cfg.commits_upfront)  # fmt: skip
         if cfg.kv_scales is not None:  # read once, here: nothing ever computes or rewrites them
             pool_cfg["kv_scales"] = load_kv_scales(cfg.kv_scales, mc.num_layers, mc.num_kv_heads, cfg.kv_format.name)
         # with a share: of the memory left with the weights loaded (available_memory: None when unknown)

@@ -279,7 +279,7 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         f"{pool.format.name}; device: {cfg.device}",
         f"KV pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens, "
         f"{_size(pool.num_pages * pool.config.bytes_per_page)} ({_size(pool.config.bytes_per_page)} a page)"
-        f"{_share_note(engine)}",
+        f"{_share_note(engine)}{_commit_note(pool)}",
         f"page size: {pool.page_size}; prefix cache: {cache}{'; tiers: ' + ', '.join(tiers) if tiers else ''}",
         f"attention backend: {backend} (asked: {cfg.attention_backend})",
         f"scheduler: max batch tokens {cfg.max_batch_tokens}, max running {cfg.max_running}, chunked prefill "
@@ -293,6 +293,15 @@ def _share_note(engine) -> str:
     """``; 25% of 20.1 GiB available`` when the pool was sized by a share of memory."""
     share, free = engine.config.kv_share, engine.loop.available_memory
     return "" if share is None or free is None else f"; {100 * share:g}% of {_size(free)} available"
+
+
+def _commit_note(pool) -> str:
+    """``; committed at start-up in 3.20 s`` or ``; committed as it fills`` (CPU pools)."""
+    if str(pool.config.device).split(":")[0] != "cpu":
+        return ""
+    if pool.commit_seconds is None:
+        return "; committed as it fills"
+    return f"; committed at start-up in {pool.commit_seconds:.2f} s"
 
 
 def _rounding(weights: dict) -> str:

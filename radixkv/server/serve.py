@@ -14,7 +14,7 @@ import time
 
 from radixkv.cache.formats import FORMATS
 from radixkv.cache.tiers import WRITE_POLICIES
-from radixkv.engine.config import WEIGHTS
+from radixkv.engine.config import KV_COMMIT, WEIGHTS
 from radixkv.engine.engine import EngineConfig
 from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
@@ -25,7 +25,10 @@ HELP = {
     "kv_cache_tokens": "KV pool size in tokens (default: --kv-memory-share of the memory available)",
     "memory_bytes": "KV pool size in bytes, instead of --kv-cache-tokens",
     "kv_memory_share": "KV pool size as a share (0, 0.95] of the memory available once the weights are loaded "
-                       "(default 0.25 when no size is given; on the CPU committed as the cache fills)",
+                       "(default 0.25 when no size is given)",
+    "kv_commit": "when the CPU pool's memory is committed: upfront (written once at start-up, as vLLM and llama.cpp "
+                 "do, so no request pays a page's first write), lazy (as the cache first fills it: resident memory "
+                 "only as used), auto: upfront for --kv-cache-tokens or --memory-bytes, lazy for a share",
     "device": "torch device: cpu, cuda, cuda:1 ...",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
     "weights": "native: a quantized GGUF's blocks read as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
@@ -102,7 +105,7 @@ HELP = {
                               "(replacing an older FILE.1) and a new FILE begins; default unbounded",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
-           "weights": WEIGHTS,
+           "weights": WEIGHTS, "kv_commit": KV_COMMIT,
            "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
