@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -207,11 +209,23 @@ def _engine_result(out) -> CallResult:
                       out.prompt_logprobs, ttft)  # fmt: skip
 
 
+TOKENIZE_CACHE_ENTRIES = 4096  # texts whose ids a RuntimeEndpoint keeps (least recently used out)
+TOKENIZE_CACHE_CHARS = 1 << 16  # longer texts are asked for each time
+
+
 class RuntimeEndpoint(Backend):
     """A running ``radixkv serve``: ``RuntimeEndpoint("http://127.0.0.1:30000", api_key=None)``.
 
     Checks the server at construction (raises BackendError if it cannot be reached).
     ``cache_salt`` puts every request of this backend in its own cache namespace.
+
+    ``tokenize`` keeps the ids the server answered for up to ``TOKENIZE_CACHE_ENTRIES``
+    texts (each up to ``TOKENIZE_CACHE_CHARS`` characters): a program tokenizes every
+    piece it adds (chat markers, a system prompt, documents) and most repeat from run to
+    run; each asked again was a round trip in the program's path to its ``/generate``
+    (8 a RAG program, ~8 ms each while the server computes). Like the model facts read
+    at construction, the ids assume the server keeps its tokenizer: point a new endpoint
+    at a server started with another model.
     """
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, cache_salt: str | None = None,
@@ -224,6 +238,8 @@ class RuntimeEndpoint(Backend):
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="radixkv-endpoint")
         self.cache_salt = cache_salt
+        self._token_ids: OrderedDict[tuple[str, bool, bool], tuple[int, ...]] = OrderedDict()
+        self._token_lock = threading.Lock()
         info = self._call("GET", "/model_info")
         self.eos_token_ids = frozenset(info["eos_token_ids"])
         self.max_context = info["max_context"]
@@ -243,10 +259,24 @@ class RuntimeEndpoint(Backend):
         self._call("POST", "/flush_cache")
 
     def tokenize(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        key = (text, bool(add_special_tokens), bool(split_special_tokens))
+        keep = isinstance(text, str) and len(text) <= TOKENIZE_CACHE_CHARS
+        if keep:
+            with self._token_lock:
+                ids = self._token_ids.get(key)
+                if ids is not None:
+                    self._token_ids.move_to_end(key)
+                    return list(ids)
         body = {"text": text, "add_special_tokens": add_special_tokens}
         if split_special_tokens:  # only then: a server from before the field still answers the rest
             body["split_special_tokens"] = True
-        return self._call("POST", "/tokenize", body)["tokens"]
+        ids = self._call("POST", "/tokenize", body)["tokens"]
+        if keep:
+            with self._token_lock:
+                self._token_ids[key] = tuple(ids)
+                if len(self._token_ids) > TOKENIZE_CACHE_ENTRIES:
+                    self._token_ids.popitem(last=False)
+        return ids
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt}

@@ -420,3 +420,38 @@ def test_programs_leave_cache_advice_and_end_it_with_the_run(via, request, engin
     assert advising.unpin(s.pins[0]) and entries() == []
     if via == "endpoint":
         plain.close()
+
+
+def test_endpoint_keeps_the_ids_the_server_answered(endpoint, monkeypatch):
+    """tokenize asks the server once per (text, flags): the same text again (a program's
+    chat markers, a shared system prompt) is answered from what the endpoint kept, equal
+    to the server's answer; other flags are other entries; past TOKENIZE_CACHE_ENTRIES
+    the least recently used text is asked again; texts past TOKENIZE_CACHE_CHARS always."""
+    import radixkv.frontend.backends as backends
+
+    asked = []
+    call = endpoint._call
+
+    def counting(method, path, body=None):
+        if path == "/tokenize":
+            asked.append(body["text"])
+        return call(method, path, body)
+
+    monkeypatch.setattr(endpoint, "_call", counting)
+    monkeypatch.setattr(backends, "TOKENIZE_CACHE_ENTRIES", 2)
+    monkeypatch.setattr(backends, "TOKENIZE_CACHE_CHARS", 40)
+    endpoint._token_ids.clear()
+    text = "Kept: <|im_start|> the same words"
+    first = endpoint.tokenize(text)
+    assert endpoint.tokenize(text) == first and asked == [text]
+    split = endpoint.tokenize(text, split_special_tokens=True)
+    assert split != first and asked == [text, text]  # the marker's text as plain text: other ids
+    assert endpoint.tokenize(text, split_special_tokens=True) == split and len(asked) == 2
+    endpoint.tokenize("a third text")  # two entries at most: the oldest (text, no split) goes
+    assert endpoint.tokenize(text) == first and len(asked) == 4
+    long = "x" * 41
+    endpoint.tokenize(long), endpoint.tokenize(long)
+    assert asked[-2:] == [long, long]
+    ids = endpoint.tokenize("a third text")
+    ids.append(-1)  # a caller's list is its own
+    assert endpoint.tokenize("a third text")[-1] != -1
