@@ -1131,15 +1131,12 @@ INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t
     into_lanes(dm, nb, xd, xs, mr, lanes, i, first, s);
 }
 
-/* the panel's 16-bit codes tmp [TILE_NR][cols] (each < 32) as codes8 [cols / 4][TILE_NR][4],
- * through rows8 ([TILE_NR][cols] bytes) */
-static void panel_bytes(const int16_t *tmp, int64_t cols, uint8_t *rows8, uint8_t *codes8) {
-    for (int64_t j = 0; j < TILE_NR * cols; j += 32) {
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)(tmp + j)), hi = _mm256_loadu_si256((const __m256i *)(tmp + j + 16));
-        _mm256_storeu_si256((__m256i *)(rows8 + j), _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8));
-    }
+/* the panel's 16-bit codes tmp [TILE_NR][cols] (each < 32) as codes8 [cols / 4][TILE_NR][4]
+ * (once a panel, for all its tokens) */
+static void panel_bytes(const int16_t *tmp, int64_t cols, uint8_t *codes8) {
     for (int64_t q = 0; q < cols / 4; q++)
-        for (int r = 0; r < TILE_NR; r++) memcpy(codes8 + 4 * (q * TILE_NR + r), rows8 + r * cols + 4 * q, 4);
+        for (int r = 0; r < TILE_NR; r++)
+            for (int j = 0; j < 4; j++) codes8[4 * (q * TILE_NR + r) + j] = (uint8_t)tmp[r * cols + 4 * q + j];
 }
 #endif
 
@@ -1235,16 +1232,15 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     const int bytes = 0, wide = 0;
     (void)wide;
 #endif
-    uint8_t *rows8 = bytes ? aligned_alloc(32, TILE_NR * (size_t)cols) : NULL;
     uint8_t *codes8 = bytes ? aligned_alloc(32, TILE_NR * (size_t)cols) : NULL;
-    if (!tmp || !codes || !dm || !dtmp || !out || !lanes || (bytes && (!rows8 || !codes8))) {
+    if (!tmp || !codes || !dm || !dtmp || !out || !lanes || (bytes && !codes8)) {
         kernel_rows(m, n, y, xb, p0 * TILE_NR, p1 * TILE_NR < rows ? p1 * TILE_NR : rows);
     } else {
         for (int64_t c = p0; c < p1; c++) {
             const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
             ig_panel(m->type, m->w, rb, r0, nr, cols, tmp, dtmp, codes, dm);
 #ifdef USE_AVX2
-            if (bytes) panel_bytes(tmp, cols, rows8, codes8);
+            if (bytes) panel_bytes(tmp, cols, codes8);
 #endif
             for (int64_t t = 0; t < n; t += TILE_MR) {
                 const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
@@ -1259,7 +1255,7 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
             }
         }
     }
-    free(tmp), free(codes), free(dm), free(dtmp), free(out), free(lanes), free(rows8), free(codes8);
+    free(tmp), free(codes), free(dm), free(dtmp), free(out), free(lanes), free(codes8);
 #pragma omp barrier
 }
 
