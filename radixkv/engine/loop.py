@@ -71,8 +71,7 @@ class EngineLoop:
         if cfg.activation_bits != 16 and not native:
             raise ValueError(f"activation_bits {cfg.activation_bits} needs native weights; {source.path.name} runs "
                              "expanded (not a quantized GGUF of a native architecture, or dtype is not float32)")  # fmt: skip
-        self.model = load_model(source.path, cfg.dtype, cfg.device, native=native,
-                                activation_bits=cfg.activation_bits if native else 16)  # fmt: skip
+        self.model = load_model(source.path, cfg.dtype, cfg.device, native=native, activation_bits=cfg.activation_bits)
         self.weights = self.model.weights_summary()  # for stats: how the weights are held
         self.tokenizer = tokenizer or Tokenizer.load(source)
         mc = self.model.config
