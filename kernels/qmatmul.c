@@ -7,7 +7,8 @@
  *
  * W is a GGUF tensor's data, every byte as the file holds it: row r is cols / QK blocks of
  * the type's bytes (for the 32-value types rearranged within the row: the split layout,
- * below). Nothing is expanded to floats beforehand: each product reads the packed blocks,
+ * below; Q4_0, Q4_1 and Q8_0 at 16-bit activations interleaved across 16 rows instead: the
+ * stored panels, further below). Nothing is expanded to floats beforehand: each product reads the packed blocks,
  * so a decode step moves 4.5 to 8.5 bits per weight instead of 32.
  *
  * Activations are rounded first, per token and block of 32, to 16-bit codes with one
@@ -54,6 +55,7 @@
 #include "vexp.h"  /* INLINE, exp_nonpositive, exp8_nonpositive, half_to_float, WITH_CONSTANT_ROWS */
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+#define PANELS 0x100 /* ORed into a type: the matrix is stored as panels (see stored_panels) */
 
 /* the little-endian fp16 at p */
 static inline float half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
@@ -712,8 +714,17 @@ static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
 }
 /* out[i] = row ids[i] of W (the kernels' layout) as floats (every row when ids is NULL).
  * Returns -1 for an unknown type or a row length the type's blocks do not divide. */
+static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float *y);
+int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols);
+
 int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out,
                          int threads) {
+    if (type & PANELS) {
+        if (radixkv_panel_bytes(type & ~PANELS, 1, cols) < 0) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i++) panel_row(type & ~PANELS, w, ids ? ids[i] : i, cols, out + i * cols);
+        return 0;
+    }
     int64_t rb = row_bytes(type, cols);
     if (rb < 0) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -787,6 +798,14 @@ static void kernel_rows(const qmat *m, int64_t n, float *y, const xbuf *xb, int6
 }
 
 static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
+static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
+int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols);
+
+/* -1 unless type (PANELS or not) and cols describe a matrix of rows the kernels take */
+static int check_matrix(int type, int64_t rows, int64_t cols) {
+    if (type & PANELS) return radixkv_panel_bytes(type & ~PANELS, rows, cols) < 0 ? -1 : 0;
+    return row_bytes(type, cols) < 0 ? -1 : 0;
+}
 
 /* From this many tokens on, products of the 32-value types take the integer panels (the
  * same bits as dot_rows: see split_panels); K-quants always take dot_rows here. */
@@ -797,6 +816,10 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
 static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
     const int64_t rows = m->rows;
     quantize_rows(x, n, m->cols, m->act_max, xb);
+    if (m->type & PANELS) {
+        stored_panels(m, n, y, xb);
+        return;
+    }
     if (is_split(m->type) && n >= PANELS_FROM) {
         split_panels(m, n, y, xb);
         return;
@@ -817,7 +840,7 @@ int radixkv_qmatmul_last_threads(void) { return last_threads; }
  * its blocks do not divide; -2 when the activation buffer cannot be allocated. */
 int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                     int act_max, int threads) {
-    if (row_bytes(type, cols) < 0) return -1;
+    if (check_matrix(type, rows, cols)) return -1;
     qmat m = {type, act_max, rows, cols, w};
     xbuf xb;
     if (xbuf_alloc(&xb, n, cols / 32, act_max <= 127)) return -2;
@@ -1056,11 +1079,8 @@ static void ig_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
 /* block i's exact integer sums a[t] (TILE_NR rows of token t) into the tokens' lane i % 8:
  * y = fma(m, s, fma(d dx, float(sum), y)), dot_split's float steps; first: the lane's
  * first block (it starts from zero) */
-INLINE void into_lanes(const float *dm, int64_t nb, const float *xd, const float *xs, const int mr, float *lanes,
-                       int64_t i, const int first, __m256i a[TILE_MR][2]) {
-    const float *f = dm + i * 2 * TILE_NR;
-    const __m256 d0 = _mm256_load_ps(f), d1 = _mm256_load_ps(f + 8), m0 = _mm256_load_ps(f + 16),
-                 m1 = _mm256_load_ps(f + 24);
+INLINE void lanes_from(__m256 d0, __m256 d1, __m256 m0, __m256 m1, int64_t nb, const float *xd, const float *xs,
+                       const int mr, float *lanes, int64_t i, const int first, __m256i a[TILE_MR][2]) {
     for (int t = 0; t < mr; t++) {
         const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
         float *o = lanes + t * LANE_FLOATS + (i & 7) * TILE_NR;
@@ -1068,6 +1088,14 @@ INLINE void into_lanes(const float *dm, int64_t nb, const float *xd, const float
         _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][0]), _mm256_mul_ps(d0, dx), y0)));
         _mm256_store_ps(o + 8, _mm256_fmadd_ps(m1, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][1]), _mm256_mul_ps(d1, dx), y1)));
     }
+}
+
+/* lanes_from with the rows' d and m of block i from dm [nb][2][TILE_NR] */
+INLINE void into_lanes(const float *dm, int64_t nb, const float *xd, const float *xs, const int mr, float *lanes,
+                       int64_t i, const int first, __m256i a[TILE_MR][2]) {
+    const float *f = dm + i * 2 * TILE_NR;
+    lanes_from(_mm256_load_ps(f), _mm256_load_ps(f + 8), _mm256_load_ps(f + 16), _mm256_load_ps(f + 24), nb, xd, xs,
+               mr, lanes, i, first, a);
 }
 
 /* block i of the tile into its lane; first: the lane's first block (the lane starts from zero) */
@@ -1259,6 +1287,235 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #pragma omp barrier
 }
 
+/* ---- panels kept in memory: Q4_0, Q4_1 and Q8_0 against 16-bit activations ----
+ *
+ * split_panels rebuilds each panel (16-bit pairs, transposed) for every product: at a
+ * decode batch of 8 tokens that costs as much as the products themselves. A matrix of these
+ * types can instead be stored as its panels, once, at load (llama.cpp repacks Q4_0 for its
+ * CPU kernels alike): the same bytes per row and block, so no more memory (Q4_0 and Q8_0 keep
+ * an m per block, 2 more bytes, for one code path), laid out so that a few shifts and masks
+ * in registers give the tile its codes. Per panel of TILE_NR rows (the last one padded with
+ * zero rows) and block i of 32 columns:
+ *   fp16 d[TILE_NR], m[TILE_NR]    (Q4_0: m = -8 d, exact; Q8_0: m = 0)
+ *   Q4: 8 vectors of 16 uint16; vector v, lane L: four 4-bit codes, from the low bits up:
+ *       w0(2v)[L], w1(2v)[L], w0(2v + 1)[L], w1(2v + 1)[L]
+ *   Q8_0: 16 vectors; vector k, lane L: w0(k)[L] in the low byte, w1(k)[L] in the high one
+ * where w0(k)[L] is the code of row L / 2, column 32 i + 2 k + L % 2, and w1(k)[L] the
+ * same for row 8 + L / 2: igblock's two vectors of step k. The tiles then take igblock's
+ * integer sums and its float steps, so a token's outputs are the same bits as on the split
+ * layout, alone or in any batch (decode rows run on the panels too). The type argument of
+ * the entry points below carries PANELS for such a matrix. */
+#if defined(USE_AVX2) && defined(__F16C__)
+#define HAVE_PANELS 1
+#endif
+
+#ifdef HAVE_PANELS
+static int panel_type(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+static int64_t panel_block(int type) { return 4 * TILE_NR + (type == T_Q8_0 ? 32 : 16) * TILE_NR; }
+
+/* code j of a ggml block: the value its sums take (Q4: the nibble; Q8_0: the signed byte) */
+static int block_code(int type, const uint8_t *blk, int j) {
+    if (type == T_Q8_0) return (int8_t)blk[2 + j];
+    const uint8_t b = blk[(type == T_Q4_1 ? 4 : 2) + j % 16];
+    return j < 16 ? b & 0xF : b >> 4;
+}
+
+/* where code (row r of the panel, column j of block i) sits: the byte offset within the
+ * block's codes and the bit shift */
+static void code_at(int type, int r, int j, int64_t *byte, int *shift) {
+    const int k = j / 2, lane = 2 * (r % 8) + j % 2, hi = r >= 8;
+    if (type == T_Q8_0) {
+        *byte = 32 * k + 2 * lane + hi, *shift = 0;
+    } else {
+        const int s = 4 * hi + 8 * (k % 2);
+        *byte = 32 * (k / 2) + 2 * lane + s / 8, *shift = s % 8;
+    }
+}
+
+#endif
+
+/* Bytes of a rows x cols matrix of type stored as panels; -1 where it cannot be (another
+ * type, a width its blocks do not divide, or a build without AVX2 and F16C). */
+int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols) {
+#ifdef HAVE_PANELS
+    if (!panel_type(type) || rows <= 0 || cols <= 0 || cols % 32) return -1;
+    return (rows + TILE_NR - 1) / TILE_NR * (cols / 32) * panel_block(type);
+#else
+    (void)type, (void)rows, (void)cols;
+    return -1;
+#endif
+}
+
+/* ggml's rows x cols (row_bytes each) into panels (radixkv_panel_bytes), or back (to_panels
+ * 0: dst the ggml rows). Returns 0; -1 where the matrix cannot be panels; -2 when a Q4_0
+ * block's -8 d is not an fp16 (the caller keeps the split layout). */
+int radixkv_panels(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst, int to_panels) {
+#ifdef HAVE_PANELS
+    if (radixkv_panel_bytes(type, rows, cols) < 0) return -1;
+    const int64_t nb = cols / 32, rb = row_bytes(type, cols), bb = block_bytes(type), pb = panel_block(type);
+    const int64_t panels = (rows + TILE_NR - 1) / TILE_NR;
+    const uint8_t *in = to_panels ? src : NULL;
+    uint8_t *out = to_panels ? dst : NULL;
+    if (to_panels) memset(dst, 0, (size_t)(panels * nb * pb));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < nb; i++) {
+            uint8_t *p = (to_panels ? out : (uint8_t *)src) + ((r / TILE_NR) * nb + i) * pb;  /* the block's panel part */
+            uint16_t *h = (uint16_t *)p;
+            uint8_t *codes = p + 4 * TILE_NR;
+            const int pr = (int)(r % TILE_NR);
+            if (to_panels) {
+                const uint8_t *blk = in + r * rb + i * bb;
+                const uint16_t d = (uint16_t)(blk[0] | blk[1] << 8);
+                uint16_t m = 0;
+                if (type == T_Q4_1) m = (uint16_t)(blk[2] | blk[3] << 8);
+                if (type == T_Q4_0) {
+                    const float want = -8.0f * _cvtsh_ss(d);
+                    m = _cvtss_sh(want, 0);
+                    if (_cvtsh_ss(m) != want) return -2;
+                }
+                h[pr] = d, h[TILE_NR + pr] = m;
+                for (int j = 0; j < 32; j++) {
+                    int64_t byte;
+                    int shift;
+                    code_at(type, pr, j, &byte, &shift);
+                    codes[byte] |= (uint8_t)((block_code(type, blk, j) & (type == T_Q8_0 ? 0xFF : 0xF)) << shift);
+                }
+            } else {
+                uint8_t *blk = dst + r * rb + i * bb;
+                blk[0] = (uint8_t)h[pr], blk[1] = (uint8_t)(h[pr] >> 8);
+                if (type == T_Q4_1) blk[2] = (uint8_t)h[TILE_NR + pr], blk[3] = (uint8_t)(h[TILE_NR + pr] >> 8);
+                uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+                if (type != T_Q8_0) memset(qs, 0, 16);
+                for (int j = 0; j < 32; j++) {
+                    int64_t byte;
+                    int shift;
+                    code_at(type, pr, j, &byte, &shift);
+                    const int c = (codes[byte] >> shift) & (type == T_Q8_0 ? 0xFF : 0xF);
+                    if (type == T_Q8_0) qs[j] = (uint8_t)c;
+                    else qs[j % 16] |= (uint8_t)(j < 16 ? c : c << 4);
+                }
+            }
+        }
+    return 0;
+#else
+    (void)type, (void)src, (void)rows, (void)cols, (void)dst, (void)to_panels;
+    return -1;
+#endif
+}
+
+#ifdef HAVE_PANELS
+/* row r of a panel matrix as floats: dequant_row's steps on the same codes, d and m */
+static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float *y) {
+    const int64_t nb = cols / 32, pb = panel_block(type);
+    const int pr = (int)(r % TILE_NR);
+    for (int64_t i = 0; i < nb; i++, y += 32) {
+        const uint8_t *p = w + ((r / TILE_NR) * nb + i) * pb, *codes = p + 4 * TILE_NR;
+        int16_t u[32];
+        for (int j = 0; j < 32; j++) {
+            int64_t byte;
+            int shift;
+            code_at(type, pr, j, &byte, &shift);
+            u[j] = type == T_Q8_0 ? (int8_t)codes[byte] : (codes[byte] >> shift) & 0xF;
+        }
+        const uint16_t *h = (const uint16_t *)p;
+        const __m256 vd = _mm256_set1_ps(_cvtsh_ss(h[pr])), vm = _mm256_set1_ps(_cvtsh_ss(h[TILE_NR + pr]));
+        for (int half16 = 0; half16 < 2; half16++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(u + 16 * half16));
+            const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)), hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1));
+            _mm256_storeu_ps(y + 16 * half16, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(lo)), vm));
+            _mm256_storeu_ps(y + 16 * half16 + 8, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(hi)), vm));
+        }
+    }
+}
+
+/* igblock on a stored panel: blk is block i's part of the panel (fp16 d, m, then codes) */
+INLINE void pblock(const int type, const uint8_t *blk, int64_t nb, int64_t cols, const int16_t *xq, const float *xd,
+                   const float *xs, const int mr, float *lanes, int64_t i, const int first) {
+    __m256i a[TILE_MR][2];
+    for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_si256();
+    const uint8_t *c = blk + 4 * TILE_NR;
+    const __m256i low4 = _mm256_set1_epi16(0xF);
+    __m256i v = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; k++) {
+        __m256i w0, w1;
+        if (type == T_Q8_0) {
+            v = _mm256_loadu_si256((const __m256i *)(c + 32 * k));
+            w0 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), w1 = _mm256_srai_epi16(v, 8);
+        } else if (k % 2 == 0) {
+            v = _mm256_loadu_si256((const __m256i *)(c + 16 * k));
+            w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        } else {
+            w0 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), w1 = _mm256_srli_epi16(v, 12);
+        }
+        for (int t = 0; t < mr; t++) {
+            int32_t pair;
+            memcpy(&pair, xq + t * cols + 32 * i + 2 * k, sizeof pair);
+            const __m256i xb = _mm256_set1_epi32(pair);
+            a[t][0] = madd_acc(a[t][0], w0, xb);
+            a[t][1] = madd_acc(a[t][1], w1, xb);
+        }
+    }
+    const __m128i *h = (const __m128i *)blk;
+    lanes_from(_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)),
+               _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), _mm256_cvtph_ps(_mm_loadu_si128(h + 3)), nb, xd, xs, mr, lanes,
+               i, first, a);
+}
+
+INLINE void ptile_mr(const int type, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq,
+                     const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+    const int64_t pb = panel_block(type);
+    int64_t i = 0;
+    for (; i < nb && i < 8; i++) pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, 1);
+    for (; i < nb; i++) pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, 0);
+    lanes_out(lanes, nb, mr, out);
+}
+
+static void ptile(int type, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq, const float *xd,
+                  const float *xs, int mr, float *lanes, float *out) {
+#define PTILE_Q40(R) ptile_mr(T_Q4_0, panel, nb, cols, xq, xd, xs, R, lanes, out)
+#define PTILE_Q41(R) ptile_mr(T_Q4_1, panel, nb, cols, xq, xd, xs, R, lanes, out)
+#define PTILE_Q80(R) ptile_mr(T_Q8_0, panel, nb, cols, xq, xd, xs, R, lanes, out)
+    if (type == T_Q8_0)
+        WITH_CONSTANT_ROWS(mr, PTILE_Q80);
+    else if (type == T_Q4_1)
+        WITH_CONSTANT_ROWS(mr, PTILE_Q41);
+    else
+        WITH_CONSTANT_ROWS(mr, PTILE_Q40);
+#undef PTILE_Q40
+#undef PTILE_Q41
+#undef PTILE_Q80
+}
+#else
+static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float *y) {
+    (void)type, (void)w, (void)r, (void)cols, (void)y;  /* never called: radixkv_panel_bytes refuses every matrix */
+}
+#endif
+
+/* y[n, rows] = W^T times the rounded activations xb, W stored as panels (m->type carries
+ * PANELS), any n: called by every thread of a parallel region, each taking a contiguous
+ * range of panels (ends with a barrier). */
+static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
+#ifdef HAVE_PANELS
+    const int type = m->type & ~PANELS;
+    const int64_t cols = m->cols, nb = cols / 32, rows = m->rows, stride = nb * panel_block(type);
+    const int64_t panels = (rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();
+    float out[TILE_NR * TILE_MR] __attribute__((aligned(32)));
+    float lanes[LANE_FLOATS * TILE_MR] __attribute__((aligned(32)));
+    for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) {
+        const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
+        for (int64_t t = 0; t < n; t += TILE_MR) {
+            const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
+            ptile(type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
+            for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+        }
+    }
+#else
+    (void)m, (void)n, (void)y, (void)xb;
+#endif
+#pragma omp barrier
+}
+
 /* ---- the dense products ----
  *
  * y[n, rows] = x[n, cols] . W^T for many tokens (prefill and extend rows), W in the kernels'
@@ -1269,17 +1526,20 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
  * allocated. */
 int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                   int act_max, int threads) {
-    const int64_t rb = row_bytes(type, cols);
-    if (rb < 0) return -1;
+    if (check_matrix(type, rows, cols)) return -1;
+    const int64_t rb = type & PANELS ? 0 : row_bytes(type, cols);
     const qmat m = {type, act_max, rows, cols, w};
     const int64_t nb = cols / 32, panels = (rows + TILE_NR - 1) / TILE_NR;
     xbuf xb;
     if (xbuf_alloc(&xb, n, nb, act_max <= 127)) return -2;
-    if (is_split(type)) {
+    if ((type & PANELS) || is_split(type)) {
 #pragma omp parallel num_threads(threads)
         {
             quantize_rows(x, n, cols, act_max, &xb);
-            split_panels(&m, n, y, &xb);
+            if (type & PANELS)
+                stored_panels(&m, n, y, &xb);
+            else
+                split_panels(&m, n, y, &xb);
         }
         xbuf_free(&xb);
         return 0;

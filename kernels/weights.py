@@ -1,9 +1,10 @@
 """Quantized weights as GGUF stores them, multiplied in place (``qmatmul.c``).
 
 A ``PackedMatrix`` holds one weight matrix ``[rows, cols]`` as the GGUF file's blocks
-(a ``uint8`` tensor ``[rows, row_bytes]``, every byte kept; for the 32-value types each
-row's block scales are gathered ahead of its codes, ``blocks()`` gives GGUF's order
-back) and its ggml type.
+(every byte kept, laid out for the kernels: ``split``, a ``uint8`` tensor ``[rows,
+row_bytes]`` with each row's block scales gathered ahead of its codes for the 32-value
+types; or ``panels``, Q4_0, Q4_1 and Q8_0 at 16-bit activations, sixteen rows interleaved
+as the integer tiles read them; ``blocks()`` gives GGUF's order back) and its ggml type.
 ``linear(x)`` computes ``x @ W.T`` without expanding ``W``: the kernel rounds each
 token's activations to 16-bit integers per block of 32 (one float scale each) and takes
 the block dot products on integers, scaled once per block. The result is the exact
@@ -44,6 +45,9 @@ TYPES = {
 }
 
 DENSE_FROM = 32  # tokens from which linear() takes the panel path by default
+LAYOUTS = ("split", "panels")  # how a PackedMatrix lays its blocks out for the kernels (see blocks())
+PANELS = 0x100  # added to a type id for the C entry points: the matrix is stored as panels
+PANEL_ROWS = 16  # rows a panel holds (the last one padded with zero rows)
 
 # activation_bits -> the codes' bound: activations are rounded per block of 32 to codes
 # within +-bound times a scale (16: the default; 8: llama.cpp's precision, whose byte
@@ -107,6 +111,10 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_qmatmul_last_threads.restype = _int
             lib.radixkv_repack.argtypes = [_int, _ptr, _i64, _i64, _ptr, _int]
             lib.radixkv_repack.restype = _int
+            lib.radixkv_panel_bytes.argtypes = [_int, _i64, _i64]
+            lib.radixkv_panel_bytes.restype = _i64
+            lib.radixkv_panels.argtypes = [_int, _ptr, _i64, _i64, _ptr, _int]
+            lib.radixkv_panels.restype = _int
             lib.radixkv_add_rms_norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _int]
             lib.radixkv_add_rms_norm.restype = None
             lib.radixkv_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _int]
@@ -163,25 +171,58 @@ class PackedMatrix:
     ``data[r]`` (GGUF's order; with ``split``, already in the kernels' layout: another
     PackedMatrix's ``data``). Rows can be reordered or stacked (``stack``) without
     touching values. ``activation_bits`` (16 or 8): the precision the inputs are rounded
-    to per block of 32 (``ACTIVATION_CODES``); every path rounds them alike.
+    to per block of 32 (``ACTIVATION_CODES``); every path rounds them alike. ``layout``:
+    ``panels`` (Q4_0, Q4_1 and Q8_0 at 16 bits on a build with AVX2 and F16C: the tiles read
+    the weights as stored, at any batch size, instead of rebuilding each panel of 16 rows
+    for every product; the same bits) or ``split``; None takes panels where they can be.
     """
 
     def __init__(self, type_id: int, data: torch.Tensor, cols: int, portable: bool = False, split: bool = False,
-                 activation_bits: int = 16):
+                 activation_bits: int = 16, layout: str | None = None):
         expected = row_bytes(type_id, cols)
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != expected:
             raise ValueError(f"{TYPES[type_id][0]} data for {cols} columns must be uint8 [rows, {expected}], "
                              f"got {data.dtype} {list(data.shape)}")  # fmt: skip
         if data.device.type != "cpu":
             raise ValueError("packed weights live on the CPU")
+        if layout not in (None, *LAYOUTS):
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (or None: the fastest the build has), "
+                             f"got {layout!r}")  # fmt: skip
         self.type_id = type_id
         self.activation_bits = check_activation_bits(activation_bits)
         self.portable = portable
         self.cols = cols
         self.shape = (data.shape[0], cols)
         self._lib = load_library(portable)
-        self.data = data.contiguous() if split else self._repack(data.contiguous(), to_split=True)
-        self.described = QMat(type_id, self.act_max, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
+        data = data.contiguous()
+        self.layout, self.data = "split", None
+        if layout != "split" and self._panels_possible():
+            panels = self._to_panels(self._repack(data, to_split=False) if split else data)
+            if panels is not None:
+                self.layout, self.data = "panels", panels
+        if self.data is None:
+            self.data = data if split else self._repack(data, to_split=True)
+        if layout == "panels" and self.layout != "panels":
+            raise ValueError(f"{self.type_name} at {self.activation_bits}-bit activations cannot be stored as panels "
+                             f"on this build (Q4_0, Q4_1 and Q8_0 at 16 bits, with AVX2 and F16C)")  # fmt: skip
+        self.described = QMat(self._ctype, self.act_max, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
+
+    @property
+    def _ctype(self) -> int:
+        """The type as the C entry points take it: PANELS added for a matrix stored as panels."""
+        return self.type_id | PANELS if self.layout == "panels" else self.type_id
+
+    def _panels_possible(self) -> bool:
+        return (self.activation_bits == 16 and not self.portable
+                and self._lib.radixkv_panel_bytes(self.type_id, self.shape[0], self.cols) > 0)  # fmt: skip
+
+    def _to_panels(self, ggml: torch.Tensor) -> torch.Tensor | None:
+        """ggml's rows as panels (``qmatmul.c``, "panels kept in memory"), or None where a
+        block cannot be (a Q4_0 scale whose -8 d is no fp16)."""
+        size = self._lib.radixkv_panel_bytes(self.type_id, self.shape[0], self.cols)
+        out = torch.empty(-(-self.shape[0] // PANEL_ROWS), size // -(-self.shape[0] // PANEL_ROWS), dtype=torch.uint8)
+        err = self._lib.radixkv_panels(self.type_id, ggml.data_ptr(), self.shape[0], self.cols, out.data_ptr(), 1)
+        return out if err == 0 else None
 
     @property
     def act_max(self) -> int:
@@ -194,9 +235,15 @@ class PackedMatrix:
         return out
 
     def blocks(self) -> torch.Tensor:
-        """The matrix in GGUF's layout, ``uint8 [rows, row_bytes]``: ``data`` holds the same
-        bytes with each row's block scales gathered ahead of its codes (the 32-value types;
-        the kernels read eight blocks' scales at once), the K-quants as GGUF has them."""
+        """The matrix in GGUF's layout, ``uint8 [rows, row_bytes]``. ``data`` holds the same
+        values laid out for the kernels: ``split`` (each row's block scales gathered ahead
+        of its codes: the kernels read eight blocks' scales at once; the K-quants as GGUF
+        has them) or ``panels`` (Q4_0, Q4_1, Q8_0 at 16-bit activations: sixteen rows'
+        codes interleaved as the integer tiles read them, ``[panels, bytes]``)."""
+        if self.layout == "panels":
+            out = torch.empty(self.shape[0], row_bytes(self.type_id, self.cols), dtype=torch.uint8)
+            self._lib.radixkv_panels(self.type_id, self.data.data_ptr(), self.shape[0], self.cols, out.data_ptr(), 0)
+            return out
         return self._repack(self.data, to_split=False)
 
     @property
@@ -216,10 +263,20 @@ class PackedMatrix:
     def stack(parts: list[PackedMatrix]) -> PackedMatrix | None:
         """One matrix of the parts' rows in order, or None when their types, widths or
         activation bits differ (the caller keeps them apart)."""
-        first, kind = parts[0], lambda p: (p.type_id, p.cols, p.activation_bits)
+        first, kind = parts[0], lambda p: (p.type_id, p.cols, p.activation_bits, p.portable)
         if any(kind(p) != kind(first) for p in parts):
             return None
-        return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable, split=True,
+        layouts = {p.layout for p in parts}
+        if layouts == {"split"}:
+            return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable,
+                                split=True, activation_bits=first.activation_bits, layout="split")  # fmt: skip
+        out = PackedMatrix.__new__(PackedMatrix)
+        if layouts == {"panels"} and all(p.shape[0] % PANEL_ROWS == 0 for p in parts[:-1]):
+            out.__dict__.update(first.__dict__)  # whole panels: their bytes in order are the stacked matrix's
+            out.shape, out.data = (sum(p.shape[0] for p in parts), first.cols), torch.cat([p.data for p in parts])
+            out.described = QMat(out._ctype, out.act_max, out.shape[0], out.cols, out.data.data_ptr())
+            return out
+        return PackedMatrix(first.type_id, torch.cat([p.blocks() for p in parts]), first.cols, first.portable,
                             activation_bits=first.activation_bits)  # fmt: skip
 
     def linear(self, x: torch.Tensor, threads: int | None = None, dense: bool | None = None) -> torch.Tensor:
@@ -250,11 +307,11 @@ class PackedMatrix:
         y = torch.empty(n, rows, dtype=torch.float32)
         if not (n >= DENSE_FROM if dense is None else dense):
             # the type and the width were checked when the matrix was made: a failure is the allocation
-            if self._lib.radixkv_qmatmul(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
+            if self._lib.radixkv_qmatmul(self._ctype, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
                                          y.data_ptr(), self.act_max, threads) != 0:  # fmt: skip
                 raise MemoryError("quantized matmul could not allocate its activation buffer")
             return y.view(*lead, rows)
-        if self._lib.radixkv_qgemm(self.type_id, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
+        if self._lib.radixkv_qgemm(self._ctype, self.data.data_ptr(), rows, self.cols, x2.data_ptr(), n,
                                    y.data_ptr(), self.act_max, threads) != 0:  # fmt: skip
             raise MemoryError("the dense product could not allocate its panels")
         return y.view(*lead, rows)
@@ -270,7 +327,7 @@ class PackedMatrix:
                 raise IndexError(f"row ids must be in [0, {self.shape[0]})")
             n, ptr = ids.numel(), ids.data_ptr()
         out = torch.empty(n, self.cols, dtype=torch.float32)
-        self._lib.radixkv_dequant_rows(self.type_id, self.data.data_ptr(), self.cols, ptr, n, out.data_ptr(),
+        self._lib.radixkv_dequant_rows(self._ctype, self.data.data_ptr(), self.cols, ptr, n, out.data_ptr(),
                                        threads or torch.get_num_threads())  # fmt: skip
         return out
 

@@ -178,6 +178,57 @@ def test_the_prefill_path_computes_the_same_product(cols):
             assert torch.equal(portable.linear(x[:3], dense=False), kernel[:3])
 
 
+def panels_built() -> bool:
+    return weights.load_library().radixkv_panel_bytes(3, 16, 32) > 0
+
+
+@pytest.mark.skipif(not panels_built(), reason="this build has no stored panels (they need AVX2 and F16C)")
+@pytest.mark.parametrize("type_id", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id):
+    """Q4_0, Q4_1 and Q8_0 at 16-bit activations are stored as panels by default: the
+    same blocks (GGUF's bytes back, the same rows dequantized) and, at every batch size
+    on either path, the same bits as the split layout, whose tiles they replace (37 rows:
+    a partial last panel; 11 blocks a row)."""
+    rows, cols = 37, 352
+    blocks = torch.from_numpy(random_blocks(type_id, rows, cols, seed=7))
+    panels, split = PackedMatrix(type_id, blocks, cols), PackedMatrix(type_id, blocks, cols, layout="split")
+    assert (panels.layout, split.layout) == ("panels", "split")
+    assert torch.equal(panels.blocks(), blocks)
+    m_added = 0 if type_id == 3 else 2  # Q4_0 and Q8_0 panels keep an m per block, as Q4_1 has
+    assert panels.data.numel() == -(-rows // 16) * 16 * (cols // 32) * (TYPES[type_id][2] + m_added)
+    ids = torch.tensor([36, 0, 17, 36])
+    assert torch.equal(panels.rows(), split.rows()) and torch.equal(panels.rows(ids), split.rows(ids))
+    x = torch.randn(weights.DENSE_FROM + 3, cols, generator=torch.Generator().manual_seed(3))
+    x[:, 5] *= 50  # an outlier channel
+    for n in (1, 2, 5, 6, 7, 8, 13, len(x)):
+        for dense in (False, True):
+            assert torch.equal(panels.linear(x[:n], dense=dense), split.linear(x[:n], dense=dense)), (n, dense)
+    # stacking: whole panels are concatenated, a partial one goes back through the blocks
+    whole = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 32, cols, seed=8)), cols)
+    for parts in ([whole, panels], [panels, whole]):
+        stacked = PackedMatrix.stack(parts)
+        assert stacked.layout == "panels" and stacked.shape == (69, cols)
+        assert torch.equal(stacked.blocks(), torch.cat([p.blocks() for p in parts]))
+        assert torch.equal(stacked.linear(x[:3]), torch.cat([p.linear(x[:3]) for p in parts], dim=1))
+
+
+@pytest.mark.skipif(not panels_built(), reason="this build has no stored panels (they need AVX2 and F16C)")
+def test_a_matrix_that_cannot_be_panels_keeps_the_split_layout_or_says_why():
+    blocks = random_blocks(2, 3, 64)
+    blocks[1, 0:2] = np.array([9000.0], dtype=np.float16).view(np.uint8)  # Q4_0's offset -8 d would be -72000: no fp16
+    m = PackedMatrix(2, torch.from_numpy(blocks), 64)
+    assert m.layout == "split" and torch.equal(m.blocks(), torch.from_numpy(blocks))
+    with pytest.raises(ValueError, match="cannot be stored as panels"):
+        PackedMatrix(2, torch.from_numpy(blocks), 64, layout="panels")
+    for type_id, bits in ((6, 16), (3, 8)):  # Q5_0; Q4_1 at 8-bit activations (the byte panels' path)
+        blk = torch.from_numpy(random_blocks(type_id, 3, 64))
+        assert PackedMatrix(type_id, blk, 64, activation_bits=bits).layout == "split"
+        with pytest.raises(ValueError, match="cannot be stored as panels"):
+            PackedMatrix(type_id, blk, 64, activation_bits=bits, layout="panels")
+    with pytest.raises(ValueError, match="layout must be one of split, panels"):
+        PackedMatrix(3, torch.from_numpy(random_blocks(3, 3, 64)), 64, layout="rows")
+
+
 @pytest.mark.parametrize("cols", [512, 352])
 def test_eight_bit_activations_keep_every_path_on_the_same_bits(cols):
     """activation_bits 8 rounds inputs to codes within +-127 per block of 32 (llama.cpp's
