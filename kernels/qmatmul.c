@@ -1292,11 +1292,10 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
  * split_panels rebuilds each panel (16-bit pairs, transposed) for every product: at a
  * decode batch of 8 tokens that costs as much as the products themselves. A matrix of these
  * types can instead be stored as its panels, once, at load (llama.cpp repacks Q4_0 for its
- * CPU kernels alike): the same bytes per row and block, so no more memory (Q4_0 and Q8_0 keep
- * an m per block, 2 more bytes, for one code path), laid out so that a few shifts and masks
- * in registers give the tile its codes. Per panel of TILE_NR rows (the last one padded with
- * zero rows) and block i of 32 columns:
- *   fp16 d[TILE_NR], m[TILE_NR]    (Q4_0: m = -8 d, exact; Q8_0: m = 0)
+ * CPU kernels alike): the same bytes per row and block, so no more memory, laid out so that
+ * a few shifts and masks in registers give the tile its codes. Per panel of TILE_NR rows (the
+ * last one padded with zero rows) and block i of 32 columns:
+ *   fp16 d[TILE_NR], then for Q4_1 fp16 m[TILE_NR]   (Q4_0: m = -8 d; Q8_0: m = 0, as split)
  *   Q4: 8 vectors of 16 uint16; vector v, lane L: four 4-bit codes, from the low bits up:
  *       w0(2v)[L], w1(2v)[L], w0(2v + 1)[L], w1(2v + 1)[L]
  *   Q8_0: 16 vectors; vector k, lane L: w0(k)[L] in the low byte, w1(k)[L] in the high one
@@ -1311,7 +1310,9 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 
 #ifdef HAVE_PANELS
 static int panel_type(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
-static int64_t panel_block(int type) { return 4 * TILE_NR + (type == T_Q8_0 ? 32 : 16) * TILE_NR; }
+/* the header (d, and m for Q4_1) and the codes of a block of a panel: ggml's bytes for TILE_NR rows */
+static int64_t panel_head(int type) { return (type == T_Q4_1 ? 4 : 2) * TILE_NR; }
+static int64_t panel_block(int type) { return panel_head(type) + (type == T_Q8_0 ? 32 : 16) * TILE_NR; }
 
 /* code j of a ggml block: the value its sums take (Q4: the nibble; Q8_0: the signed byte) */
 static int block_code(int type, const uint8_t *blk, int j) {
@@ -1347,8 +1348,7 @@ int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols) {
 }
 
 /* ggml's rows x cols (row_bytes each) into panels (radixkv_panel_bytes), or back (to_panels
- * 0: dst the ggml rows). Returns 0; -1 where the matrix cannot be panels; -2 when a Q4_0
- * block's -8 d is not an fp16 (the caller keeps the split layout). */
+ * 0: dst the ggml rows). Returns 0; -1 where the matrix cannot be panels. */
 int radixkv_panels(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst, int to_panels) {
 #ifdef HAVE_PANELS
     if (radixkv_panel_bytes(type, rows, cols) < 0) return -1;
@@ -1361,19 +1361,12 @@ int radixkv_panels(int type, const uint8_t *src, int64_t rows, int64_t cols, uin
         for (int64_t i = 0; i < nb; i++) {
             uint8_t *p = (to_panels ? out : (uint8_t *)src) + ((r / TILE_NR) * nb + i) * pb;  /* the block's panel part */
             uint16_t *h = (uint16_t *)p;
-            uint8_t *codes = p + 4 * TILE_NR;
+            uint8_t *codes = p + panel_head(type);
             const int pr = (int)(r % TILE_NR);
             if (to_panels) {
                 const uint8_t *blk = in + r * rb + i * bb;
-                const uint16_t d = (uint16_t)(blk[0] | blk[1] << 8);
-                uint16_t m = 0;
-                if (type == T_Q4_1) m = (uint16_t)(blk[2] | blk[3] << 8);
-                if (type == T_Q4_0) {
-                    const float want = -8.0f * _cvtsh_ss(d);
-                    m = _cvtss_sh(want, 0);
-                    if (_cvtsh_ss(m) != want) return -2;
-                }
-                h[pr] = d, h[TILE_NR + pr] = m;
+                h[pr] = (uint16_t)(blk[0] | blk[1] << 8);
+                if (type == T_Q4_1) h[TILE_NR + pr] = (uint16_t)(blk[2] | blk[3] << 8);
                 for (int j = 0; j < 32; j++) {
                     int64_t byte;
                     int shift;
@@ -1409,7 +1402,7 @@ static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float
     const int64_t nb = cols / 32, pb = panel_block(type);
     const int pr = (int)(r % TILE_NR);
     for (int64_t i = 0; i < nb; i++, y += 32) {
-        const uint8_t *p = w + ((r / TILE_NR) * nb + i) * pb, *codes = p + 4 * TILE_NR;
+        const uint8_t *p = w + ((r / TILE_NR) * nb + i) * pb, *codes = p + panel_head(type);
         int16_t u[32];
         for (int j = 0; j < 32; j++) {
             int64_t byte;
@@ -1418,7 +1411,8 @@ static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float
             u[j] = type == T_Q8_0 ? (int8_t)codes[byte] : (codes[byte] >> shift) & 0xF;
         }
         const uint16_t *h = (const uint16_t *)p;
-        const __m256 vd = _mm256_set1_ps(_cvtsh_ss(h[pr])), vm = _mm256_set1_ps(_cvtsh_ss(h[TILE_NR + pr]));
+        const float d = _cvtsh_ss(h[pr]), m = type == T_Q4_1 ? _cvtsh_ss(h[TILE_NR + pr]) : type == T_Q4_0 ? -8.0f * d : 0.0f;
+        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
         for (int half16 = 0; half16 < 2; half16++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(u + 16 * half16));
             const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)), hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1));
@@ -1428,12 +1422,12 @@ static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float
     }
 }
 
-/* igblock on a stored panel: blk is block i's part of the panel (fp16 d, m, then codes) */
+/* igblock on a stored panel: blk is block i's part of the panel (its header, then codes) */
 INLINE void pblock(const int type, const uint8_t *blk, int64_t nb, int64_t cols, const int16_t *xq, const float *xd,
                    const float *xs, const int mr, float *lanes, int64_t i, const int first) {
     __m256i a[TILE_MR][2];
     for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_si256();
-    const uint8_t *c = blk + 4 * TILE_NR;
+    const uint8_t *c = blk + panel_head(type);
     const __m256i low4 = _mm256_set1_epi16(0xF);
     __m256i v = _mm256_setzero_si256();
 #pragma GCC unroll 16
@@ -1457,9 +1451,11 @@ INLINE void pblock(const int type, const uint8_t *blk, int64_t nb, int64_t cols,
         }
     }
     const __m128i *h = (const __m128i *)blk;
-    lanes_from(_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)),
-               _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), _mm256_cvtph_ps(_mm_loadu_si128(h + 3)), nb, xd, xs, mr, lanes,
-               i, first, a);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(h)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    __m256 m0 = _mm256_setzero_ps(), m1 = m0;  /* Q8_0 */
+    if (type == T_Q4_1) m0 = _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
+    if (type == T_Q4_0) m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f)), m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
+    lanes_from(d0, d1, m0, m1, nb, xd, xs, mr, lanes, i, first, a);
 }
 
 INLINE void ptile_mr(const int type, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq,

@@ -197,9 +197,7 @@ class PackedMatrix:
         data = data.contiguous()
         self.layout, self.data = "split", None
         if layout != "split" and self._panels_possible():
-            panels = self._to_panels(self._repack(data, to_split=False) if split else data)
-            if panels is not None:
-                self.layout, self.data = "panels", panels
+            self.layout, self.data = "panels", self._to_panels(self._repack(data, to_split=False) if split else data)
         if self.data is None:
             self.data = data if split else self._repack(data, to_split=True)
         if layout == "panels" and self.layout != "panels":
@@ -216,13 +214,13 @@ class PackedMatrix:
         return (self.activation_bits == 16 and not self.portable
                 and self._lib.radixkv_panel_bytes(self.type_id, self.shape[0], self.cols) > 0)  # fmt: skip
 
-    def _to_panels(self, ggml: torch.Tensor) -> torch.Tensor | None:
-        """ggml's rows as panels (``qmatmul.c``, "panels kept in memory"), or None where a
-        block cannot be (a Q4_0 scale whose -8 d is no fp16)."""
+    def _to_panels(self, ggml: torch.Tensor) -> torch.Tensor:
+        """ggml's rows as panels (``qmatmul.c``, "panels kept in memory")."""
+        panels = -(-self.shape[0] // PANEL_ROWS)
         size = self._lib.radixkv_panel_bytes(self.type_id, self.shape[0], self.cols)
-        out = torch.empty(-(-self.shape[0] // PANEL_ROWS), size // -(-self.shape[0] // PANEL_ROWS), dtype=torch.uint8)
-        err = self._lib.radixkv_panels(self.type_id, ggml.data_ptr(), self.shape[0], self.cols, out.data_ptr(), 1)
-        return out if err == 0 else None
+        out = torch.empty(panels, size // panels, dtype=torch.uint8)
+        self._lib.radixkv_panels(self.type_id, ggml.data_ptr(), self.shape[0], self.cols, out.data_ptr(), 1)
+        return out
 
     @property
     def act_max(self) -> int:
