@@ -1347,47 +1347,53 @@ int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols) {
 #endif
 }
 
-/* ggml's rows x cols (row_bytes each) into panels (radixkv_panel_bytes), or back (to_panels
- * 0: dst the ggml rows). Returns 0; -1 where the matrix cannot be panels. */
+#ifdef HAVE_PANELS
+/* row pr of a panel's block p (its header and codes) from ggml's block blk; p starts zeroed */
+static void panel_put(int type, const uint8_t *blk, int pr, uint8_t *p) {
+    uint16_t *h = (uint16_t *)p;
+    h[pr] = (uint16_t)(blk[0] | blk[1] << 8);
+    if (type == T_Q4_1) h[TILE_NR + pr] = (uint16_t)(blk[2] | blk[3] << 8);
+    for (int j = 0; j < 32; j++) {
+        int64_t byte;
+        int shift;
+        code_at(type, pr, j, &byte, &shift);
+        p[panel_head(type) + byte] |= (uint8_t)((block_code(type, blk, j) & (type == T_Q8_0 ? 0xFF : 0xF)) << shift);
+    }
+}
+
+/* ggml's block blk of row pr of a panel's block p */
+static void panel_get(int type, const uint8_t *p, int pr, uint8_t *blk) {
+    const uint16_t *h = (const uint16_t *)p;
+    blk[0] = (uint8_t)h[pr], blk[1] = (uint8_t)(h[pr] >> 8);
+    if (type == T_Q4_1) blk[2] = (uint8_t)h[TILE_NR + pr], blk[3] = (uint8_t)(h[TILE_NR + pr] >> 8);
+    uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+    if (type != T_Q8_0) memset(qs, 0, 16);
+    for (int j = 0; j < 32; j++) {
+        int64_t byte;
+        int shift;
+        code_at(type, pr, j, &byte, &shift);
+        const int c = (p[panel_head(type) + byte] >> shift) & (type == T_Q8_0 ? 0xFF : 0xF);
+        if (type == T_Q8_0) qs[j] = (uint8_t)c;
+        else qs[j % 16] |= (uint8_t)(j < 16 ? c : c << 4);
+    }
+}
+#endif
+
+/* ggml's rows x cols (row_bytes each) into panels (radixkv_panel_bytes bytes), or with
+ * to_panels 0 panels back into ggml's rows. Returns 0; -1 where the matrix cannot be panels. */
 int radixkv_panels(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst, int to_panels) {
 #ifdef HAVE_PANELS
-    if (radixkv_panel_bytes(type, rows, cols) < 0) return -1;
+    const int64_t size = radixkv_panel_bytes(type, rows, cols);
+    if (size < 0) return -1;
     const int64_t nb = cols / 32, rb = row_bytes(type, cols), bb = block_bytes(type), pb = panel_block(type);
-    const int64_t panels = (rows + TILE_NR - 1) / TILE_NR;
-    const uint8_t *in = to_panels ? src : NULL;
-    uint8_t *out = to_panels ? dst : NULL;
-    if (to_panels) memset(dst, 0, (size_t)(panels * nb * pb));
+    if (to_panels) memset(dst, 0, (size_t)size);  /* the padding rows stay zero */
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < nb; i++) {
-            uint8_t *p = (to_panels ? out : (uint8_t *)src) + ((r / TILE_NR) * nb + i) * pb;  /* the block's panel part */
-            uint16_t *h = (uint16_t *)p;
-            uint8_t *codes = p + panel_head(type);
-            const int pr = (int)(r % TILE_NR);
-            if (to_panels) {
-                const uint8_t *blk = in + r * rb + i * bb;
-                h[pr] = (uint16_t)(blk[0] | blk[1] << 8);
-                if (type == T_Q4_1) h[TILE_NR + pr] = (uint16_t)(blk[2] | blk[3] << 8);
-                for (int j = 0; j < 32; j++) {
-                    int64_t byte;
-                    int shift;
-                    code_at(type, pr, j, &byte, &shift);
-                    codes[byte] |= (uint8_t)((block_code(type, blk, j) & (type == T_Q8_0 ? 0xFF : 0xF)) << shift);
-                }
-            } else {
-                uint8_t *blk = dst + r * rb + i * bb;
-                blk[0] = (uint8_t)h[pr], blk[1] = (uint8_t)(h[pr] >> 8);
-                if (type == T_Q4_1) blk[2] = (uint8_t)h[TILE_NR + pr], blk[3] = (uint8_t)(h[TILE_NR + pr] >> 8);
-                uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
-                if (type != T_Q8_0) memset(qs, 0, 16);
-                for (int j = 0; j < 32; j++) {
-                    int64_t byte;
-                    int shift;
-                    code_at(type, pr, j, &byte, &shift);
-                    const int c = (codes[byte] >> shift) & (type == T_Q8_0 ? 0xFF : 0xF);
-                    if (type == T_Q8_0) qs[j] = (uint8_t)c;
-                    else qs[j % 16] |= (uint8_t)(j < 16 ? c : c << 4);
-                }
-            }
+            const int64_t at = ((r / TILE_NR) * nb + i) * pb, g = r * rb + i * bb;  /* the block in each layout */
+            if (to_panels)
+                panel_put(type, src + g, (int)(r % TILE_NR), dst + at);
+            else
+                panel_get(type, src + at, (int)(r % TILE_NR), dst + g);
         }
     return 0;
 #else

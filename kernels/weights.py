@@ -21,6 +21,7 @@ without a C compiler ``load_library`` raises ImportError.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import threading
 from pathlib import Path
@@ -268,9 +269,9 @@ class PackedMatrix:
         if layouts == {"split"}:
             return PackedMatrix(first.type_id, torch.cat([p.data for p in parts]), first.cols, first.portable,
                                 split=True, activation_bits=first.activation_bits, layout="split")  # fmt: skip
-        out = PackedMatrix.__new__(PackedMatrix)
         if layouts == {"panels"} and all(p.shape[0] % PANEL_ROWS == 0 for p in parts[:-1]):
-            out.__dict__.update(first.__dict__)  # whole panels: their bytes in order are the stacked matrix's
+            # whole panels (only the last part's may be padded): their bytes in order are the stacked matrix's
+            out = copy.copy(first)
             out.shape, out.data = (sum(p.shape[0] for p in parts), first.cols), torch.cat([p.data for p in parts])
             out.described = QMat(out._ctype, out.act_max, out.shape[0], out.cols, out.data.data_ptr())
             return out
@@ -292,7 +293,8 @@ class PackedMatrix:
         batch-invariant (a fixed order of steps per output, whatever the batch, the tile or
         the threads). For the 32-value types the panels take the kernel's float steps in
         its order, so both paths give the same bits (and the kernel's call itself moves to
-        the panels from 8 tokens on). For the K-quants they differ by float32 rounding
+        the panels from 8 tokens on; a matrix stored as panels takes them at every size).
+        For the K-quants they differ by float32 rounding
         (which the next layer's rounding of activations can enlarge): a caller that needs
         a token's result independent of its batch picks the path by the token alone, as
         the model does (its decode rows: the kernel; prefill and extend rows: the panels)."""
