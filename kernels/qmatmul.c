@@ -1098,6 +1098,19 @@ INLINE void into_lanes(const float *dm, int64_t nb, const float *xd, const float
                mr, lanes, i, first, a);
 }
 
+/* step k of block i for the tile's mr tokens: a[t] += w0, w1 times token t's k-th pair of codes
+ * broadcast (pmaddwd and an add: each int32 lane a row's two products) */
+INLINE void madd_tokens(__m256i a[TILE_MR][2], __m256i w0, __m256i w1, const int16_t *xq, int64_t cols, int64_t i,
+                        int k, const int mr) {
+    for (int t = 0; t < mr; t++) {
+        int32_t pair;
+        memcpy(&pair, xq + t * cols + 32 * i + 2 * k, sizeof pair);
+        const __m256i xb = _mm256_set1_epi32(pair);
+        a[t][0] = madd_acc(a[t][0], w0, xb);
+        a[t][1] = madd_acc(a[t][1], w1, xb);
+    }
+}
+
 /* block i of the tile into its lane; first: the lane's first block (the lane starts from zero) */
 INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
                     const float *xd, const float *xs, const int mr, float *lanes, int64_t i, const int first) {
@@ -1108,13 +1121,7 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
     for (int k = 0; k < 16; k++) {
         const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 2 * TILE_NR * k));
         const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 2 * TILE_NR * k + 16));
-        for (int t = 0; t < mr; t++) {
-            int32_t pair;
-            memcpy(&pair, xq + t * cols + 32 * i + 2 * k, sizeof pair);
-            const __m256i xb = _mm256_set1_epi32(pair);
-            a[t][0] = madd_acc(a[t][0], w0, xb);
-            a[t][1] = madd_acc(a[t][1], w1, xb);
-        }
+        madd_tokens(a, w0, w1, xq, cols, i, k, mr);
     }
     into_lanes(dm, nb, xd, xs, mr, lanes, i, first, a);
 }
@@ -1448,13 +1455,7 @@ INLINE void pblock(const int type, const uint8_t *blk, int64_t nb, int64_t cols,
         } else {
             w0 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), w1 = _mm256_srli_epi16(v, 12);
         }
-        for (int t = 0; t < mr; t++) {
-            int32_t pair;
-            memcpy(&pair, xq + t * cols + 32 * i + 2 * k, sizeof pair);
-            const __m256i xb = _mm256_set1_epi32(pair);
-            a[t][0] = madd_acc(a[t][0], w0, xb);
-            a[t][1] = madd_acc(a[t][1], w1, xb);
-        }
+        madd_tokens(a, w0, w1, xq, cols, i, k, mr);
     }
     const __m128i *h = (const __m128i *)blk;
     const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(h)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
