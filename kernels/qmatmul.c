@@ -55,7 +55,9 @@
 #include "vexp.h"  /* INLINE, exp_nonpositive, exp8_nonpositive, half_to_float, WITH_CONSTANT_ROWS */
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
-#define PANELS 0x100 /* ORed into a type: the matrix is stored as panels (see stored_panels) */
+#define PANELS 0x100  /* ORed into a type: the matrix is stored as panels (see stored_panels) */
+#define PANELS8 0x200 /* the same for Q4_0 and Q4_1 against 8-bit activations: codes in the byte tiles' order */
+#define STORED (PANELS | PANELS8)
 
 /* the little-endian fp16 at p */
 static inline float half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
@@ -714,15 +716,15 @@ static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
 }
 /* out[i] = row ids[i] of W (the kernels' layout) as floats (every row when ids is NULL).
  * Returns -1 for an unknown type or a row length the type's blocks do not divide. */
-static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float *y);
-int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols);
+static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float *y);
+int64_t radixkv_panel_bytes(int kind, int64_t rows, int64_t cols);
 
 int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out,
                          int threads) {
-    if (type & PANELS) {
-        if (radixkv_panel_bytes(type & ~PANELS, 1, cols) < 0) return -1;
+    if (type & STORED) {
+        if (radixkv_panel_bytes(type, 1, cols) < 0) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t i = 0; i < n; i++) panel_row(type & ~PANELS, w, ids ? ids[i] : i, cols, out + i * cols);
+        for (int64_t i = 0; i < n; i++) panel_row(type, w, ids ? ids[i] : i, cols, out + i * cols);
         return 0;
     }
     int64_t rb = row_bytes(type, cols);
@@ -799,11 +801,11 @@ static void kernel_rows(const qmat *m, int64_t n, float *y, const xbuf *xb, int6
 
 static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
 static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
-int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols);
+int64_t radixkv_panel_bytes(int kind, int64_t rows, int64_t cols);
 
 /* -1 unless type (PANELS or not) and cols describe a matrix of rows the kernels take */
 static int check_matrix(int type, int64_t rows, int64_t cols) {
-    if (type & PANELS) return radixkv_panel_bytes(type & ~PANELS, rows, cols) < 0 ? -1 : 0;
+    if (type & STORED) return radixkv_panel_bytes(type, rows, cols) < 0 ? -1 : 0;
     return row_bytes(type, cols) < 0 ? -1 : 0;
 }
 
@@ -816,7 +818,7 @@ static int check_matrix(int type, int64_t rows, int64_t cols) {
 static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
     const int64_t rows = m->rows;
     quantize_rows(x, n, m->cols, m->act_max, xb);
-    if (m->type & PANELS) {
+    if (m->type & STORED) {
         stored_panels(m, n, y, xb);
         return;
     }
@@ -1126,6 +1128,25 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
     into_lanes(dm, nb, xd, xs, mr, lanes, i, first, a);
 }
 
+/* step k (four columns) of block i for the tile's mr tokens on bytes: s[t] (16-bit sums) +=
+ * pmaddubsw of w0, w1 and token t's k-th quad of byte codes broadcast; start: the sums
+ * start here */
+INLINE void madd8_tokens(__m256i s[TILE_MR][2], __m256i w0, __m256i w1, const int8_t *xq8, int64_t cols, int64_t i,
+                         int k, const int mr, const int start) {
+    for (int t = 0; t < mr; t++) {
+        int32_t quad;
+        memcpy(&quad, xq8 + t * cols + 32 * i + 4 * k, sizeof quad);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
+        if (start) {
+            s[t][0] = p0, s[t][1] = p1;
+        } else {
+            s[t][0] = _mm256_add_epi16(s[t][0], p0), s[t][1] = _mm256_add_epi16(s[t][1], p1);
+            __asm__("" : "+x"(s[t][0]), "+x"(s[t][1]));  /* as madd_acc: no regrouping */
+        }
+    }
+}
+
 /* igblock on bytes, for 4- and 5-bit codes and 8-bit activations (act_max 127): codes8
  * [cols / 4][TILE_NR][4] (four columns of a row in a 32-bit lane), xq8 the tokens' codes as
  * bytes. pmaddubsw multiplies a row's four codes by the token's four and adds pairs into
@@ -1146,18 +1167,7 @@ INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t
             for (int t = 0; t < mr; t++) half[t][0] = _mm256_madd_epi16(s[t][0], ones), half[t][1] = _mm256_madd_epi16(s[t][1], ones);
         const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k));
         const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k + 32));
-        for (int t = 0; t < mr; t++) {
-            int32_t quad;
-            memcpy(&quad, xq8 + t * cols + 32 * i + 4 * k, sizeof quad);
-            const __m256i xb = _mm256_set1_epi32(quad);
-            const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
-            if (k == 0 || (wide && k == 4)) {
-                s[t][0] = p0, s[t][1] = p1;
-            } else {
-                s[t][0] = _mm256_add_epi16(s[t][0], p0), s[t][1] = _mm256_add_epi16(s[t][1], p1);
-                __asm__("" : "+x"(s[t][0]), "+x"(s[t][1]));  /* as madd_acc: no regrouping */
-            }
-        }
+        madd8_tokens(s, w0, w1, xq8, cols, i, k, mr, k == 0 || (wide && k == 4));
     }
     for (int t = 0; t < mr; t++) {
         s[t][0] = _mm256_madd_epi16(s[t][0], ones), s[t][1] = _mm256_madd_epi16(s[t][1], ones);
@@ -1307,7 +1317,10 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
  *       w0(2v)[L], w1(2v)[L], w0(2v + 1)[L], w1(2v + 1)[L]
  *   Q8_0: 16 vectors; vector k, lane L: w0(k)[L] in the low byte, w1(k)[L] in the high one
  * where w0(k)[L] is the code of row L / 2, column 32 i + 2 k + L % 2, and w1(k)[L] the
- * same for row 8 + L / 2: igblock's two vectors of step k. The tiles then take igblock's
+ * same for row 8 + L / 2: igblock's two vectors of step k. Against 8-bit activations
+ * (PANELS8) Q4_0 and Q4_1 hold igblock8's order instead: 8 vectors of 32 bytes; vector k,
+ * byte b: the code of row b / 4, column 32 i + 4 k + b % 4 in the low nibble, of row
+ * 8 + b / 4 in the high one (a mask and a shift give igblock8's two byte vectors). The tiles then take igblock's
  * integer sums and its float steps, so a token's outputs are the same bits as on the split
  * layout, alone or in any batch (decode rows run on the panels too). The type argument of
  * the entry points below carries PANELS for such a matrix. */
@@ -1316,7 +1329,12 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #endif
 
 #ifdef HAVE_PANELS
-static int panel_type(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+/* kind: a type with PANELS or PANELS8 */
+static int panel_type(int kind) {
+    const int type = kind & ~STORED;
+    if (kind & PANELS8) return type == T_Q4_0 || type == T_Q4_1;
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0;
+}
 /* the header (d, and m for Q4_1) and the codes of a block of a panel: ggml's bytes for TILE_NR rows */
 static int64_t panel_head(int type) { return (type == T_Q4_1 ? 4 : 2) * TILE_NR; }
 static int64_t panel_block(int type) { return panel_head(type) + (type == T_Q8_0 ? 32 : 16) * TILE_NR; }
@@ -1329,10 +1347,12 @@ static int block_code(int type, const uint8_t *blk, int j) {
 }
 
 /* where code (row r of the panel, column j of block i) sits: the byte offset within the
- * block's codes and the bit shift */
-static void code_at(int type, int r, int j, int64_t *byte, int *shift) {
-    const int k = j / 2, lane = 2 * (r % 8) + j % 2, hi = r >= 8;
-    if (type == T_Q8_0) {
+ * block's codes and the bit shift (kind: the type with PANELS or PANELS8) */
+static void code_at(int kind, int r, int j, int64_t *byte, int *shift) {
+    const int type = kind & ~STORED, k = j / 2, lane = 2 * (r % 8) + j % 2, hi = r >= 8;
+    if (kind & PANELS8) {
+        *byte = 32 * (j / 4) + 4 * (r % 8) + j % 4, *shift = 4 * hi;
+    } else if (type == T_Q8_0) {
         *byte = 32 * k + 2 * lane + hi, *shift = 0;
     } else {
         const int s = 4 * hi + 8 * (k % 2);
@@ -1342,34 +1362,37 @@ static void code_at(int type, int r, int j, int64_t *byte, int *shift) {
 
 #endif
 
-/* Bytes of a rows x cols matrix of type stored as panels; -1 where it cannot be (another
- * type, a width its blocks do not divide, or a build without AVX2 and F16C). */
-int64_t radixkv_panel_bytes(int type, int64_t rows, int64_t cols) {
+/* Bytes of a rows x cols matrix stored as panels (kind: the type with PANELS or PANELS8);
+ * -1 where it cannot be (another type, a width its blocks do not divide, or a build without
+ * AVX2 and F16C). */
+int64_t radixkv_panel_bytes(int kind, int64_t rows, int64_t cols) {
 #ifdef HAVE_PANELS
-    if (!panel_type(type) || rows <= 0 || cols <= 0 || cols % 32) return -1;
-    return (rows + TILE_NR - 1) / TILE_NR * (cols / 32) * panel_block(type);
+    if (!(kind & STORED) || !panel_type(kind) || rows <= 0 || cols <= 0 || cols % 32) return -1;
+    return (rows + TILE_NR - 1) / TILE_NR * (cols / 32) * panel_block(kind & ~STORED);
 #else
-    (void)type, (void)rows, (void)cols;
+    (void)kind, (void)rows, (void)cols;
     return -1;
 #endif
 }
 
 #ifdef HAVE_PANELS
 /* row pr of a panel's block p (its header and codes) from ggml's block blk; p starts zeroed */
-static void panel_put(int type, const uint8_t *blk, int pr, uint8_t *p) {
+static void panel_put(int kind, const uint8_t *blk, int pr, uint8_t *p) {
+    const int type = kind & ~STORED;
     uint16_t *h = (uint16_t *)p;
     h[pr] = (uint16_t)(blk[0] | blk[1] << 8);
     if (type == T_Q4_1) h[TILE_NR + pr] = (uint16_t)(blk[2] | blk[3] << 8);
     for (int j = 0; j < 32; j++) {
         int64_t byte;
         int shift;
-        code_at(type, pr, j, &byte, &shift);
+        code_at(kind, pr, j, &byte, &shift);
         p[panel_head(type) + byte] |= (uint8_t)((block_code(type, blk, j) & (type == T_Q8_0 ? 0xFF : 0xF)) << shift);
     }
 }
 
 /* ggml's block blk of row pr of a panel's block p */
-static void panel_get(int type, const uint8_t *p, int pr, uint8_t *blk) {
+static void panel_get(int kind, const uint8_t *p, int pr, uint8_t *blk) {
+    const int type = kind & ~STORED;
     const uint16_t *h = (const uint16_t *)p;
     blk[0] = (uint8_t)h[pr], blk[1] = (uint8_t)(h[pr] >> 8);
     if (type == T_Q4_1) blk[2] = (uint8_t)h[TILE_NR + pr], blk[3] = (uint8_t)(h[TILE_NR + pr] >> 8);
@@ -1378,7 +1401,7 @@ static void panel_get(int type, const uint8_t *p, int pr, uint8_t *blk) {
     for (int j = 0; j < 32; j++) {
         int64_t byte;
         int shift;
-        code_at(type, pr, j, &byte, &shift);
+        code_at(kind, pr, j, &byte, &shift);
         const int c = (p[panel_head(type) + byte] >> shift) & (type == T_Q8_0 ? 0xFF : 0xF);
         if (type == T_Q8_0) qs[j] = (uint8_t)c;
         else qs[j % 16] |= (uint8_t)(j < 16 ? c : c << 4);
@@ -1387,31 +1410,34 @@ static void panel_get(int type, const uint8_t *p, int pr, uint8_t *blk) {
 #endif
 
 /* ggml's rows x cols (row_bytes each) into panels (radixkv_panel_bytes bytes), or with
- * to_panels 0 panels back into ggml's rows. Returns 0; -1 where the matrix cannot be panels. */
-int radixkv_panels(int type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst, int to_panels) {
+ * to_panels 0 panels back into ggml's rows; kind: the type with PANELS or PANELS8. Returns
+ * 0; -1 where the matrix cannot be panels. */
+int radixkv_panels(int kind, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst, int to_panels) {
 #ifdef HAVE_PANELS
-    const int64_t size = radixkv_panel_bytes(type, rows, cols);
+    const int64_t size = radixkv_panel_bytes(kind, rows, cols);
     if (size < 0) return -1;
+    const int type = kind & ~STORED;
     const int64_t nb = cols / 32, rb = row_bytes(type, cols), bb = block_bytes(type), pb = panel_block(type);
     if (to_panels) memset(dst, 0, (size_t)size);  /* the padding rows stay zero */
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < nb; i++) {
             const int64_t at = ((r / TILE_NR) * nb + i) * pb, g = r * rb + i * bb;  /* the block in each layout */
             if (to_panels)
-                panel_put(type, src + g, (int)(r % TILE_NR), dst + at);
+                panel_put(kind, src + g, (int)(r % TILE_NR), dst + at);
             else
-                panel_get(type, src + at, (int)(r % TILE_NR), dst + g);
+                panel_get(kind, src + at, (int)(r % TILE_NR), dst + g);
         }
     return 0;
 #else
-    (void)type, (void)src, (void)rows, (void)cols, (void)dst, (void)to_panels;
+    (void)kind, (void)src, (void)rows, (void)cols, (void)dst, (void)to_panels;
     return -1;
 #endif
 }
 
 #ifdef HAVE_PANELS
 /* row r of a panel matrix as floats: dequant_row's steps on the same codes, d and m */
-static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float *y) {
+static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float *y) {
+    const int type = kind & ~STORED;
     const int64_t nb = cols / 32, pb = panel_block(type);
     const int pr = (int)(r % TILE_NR);
     for (int64_t i = 0; i < nb; i++, y += 32) {
@@ -1420,7 +1446,7 @@ static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float
         for (int j = 0; j < 32; j++) {
             int64_t byte;
             int shift;
-            code_at(type, pr, j, &byte, &shift);
+            code_at(kind, pr, j, &byte, &shift);
             u[j] = type == T_Q8_0 ? (int8_t)codes[byte] : (codes[byte] >> shift) & 0xF;
         }
         const uint16_t *h = (const uint16_t *)p;
@@ -1433,6 +1459,17 @@ static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float
             _mm256_storeu_ps(y + 16 * half16 + 8, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(hi)), vm));
         }
     }
+}
+
+/* lanes_from with the d and m of a stored panel's block (its header: fp16 d, Q4_1's fp16 m) */
+INLINE void head_into_lanes(const int type, const uint8_t *blk, int64_t nb, const float *xd, const float *xs,
+                            const int mr, float *lanes, int64_t i, const int first, __m256i a[TILE_MR][2]) {
+    const __m128i *h = (const __m128i *)blk;
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(h)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    __m256 m0 = _mm256_setzero_ps(), m1 = m0;  /* Q8_0 */
+    if (type == T_Q4_1) m0 = _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
+    if (type == T_Q4_0) m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f)), m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
+    lanes_from(d0, d1, m0, m1, nb, xd, xs, mr, lanes, i, first, a);
 }
 
 /* igblock on a stored panel: blk is block i's part of the panel (its header, then codes) */
@@ -1457,50 +1494,73 @@ INLINE void pblock(const int type, const uint8_t *blk, int64_t nb, int64_t cols,
         }
         madd_tokens(a, w0, w1, xq, cols, i, k, mr);
     }
-    const __m128i *h = (const __m128i *)blk;
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(h)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
-    __m256 m0 = _mm256_setzero_ps(), m1 = m0;  /* Q8_0 */
-    if (type == T_Q4_1) m0 = _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
-    if (type == T_Q4_0) m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f)), m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
-    lanes_from(d0, d1, m0, m1, nb, xd, xs, mr, lanes, i, first, a);
+    head_into_lanes(type, blk, nb, xd, xs, mr, lanes, i, first, a);
 }
 
-INLINE void ptile_mr(const int type, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq,
-                     const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+/* igblock8 on a stored PANELS8 panel (Q4_0, Q4_1): the same byte products and exact sums */
+INLINE void pblock8(const int type, const uint8_t *blk, int64_t nb, int64_t cols, const int8_t *xq8, const float *xd,
+                    const float *xs, const int mr, float *lanes, int64_t i, const int first) {
+    __m256i s[TILE_MR][2];
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0xF);
+    const uint8_t *c = blk + panel_head(type);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * k));
+        const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        madd8_tokens(s, w0, w1, xq8, cols, i, k, mr, k == 0);
+    }
+    for (int t = 0; t < mr; t++) s[t][0] = _mm256_madd_epi16(s[t][0], ones), s[t][1] = _mm256_madd_epi16(s[t][1], ones);
+    head_into_lanes(type, blk, nb, xd, xs, mr, lanes, i, first, s);
+}
+
+/* bytes: a PANELS8 panel against the activations' byte codes (xq8), else the 16-bit ones (xq) */
+INLINE void ptile_mr(const int type, const int bytes, const uint8_t *panel, int64_t nb, int64_t cols,
+                     const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, const int mr,
+                     float *lanes, float *out) {
     const int64_t pb = panel_block(type);
-    int64_t i = 0;
-    for (; i < nb && i < 8; i++) pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, 1);
-    for (; i < nb; i++) pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, 0);
+    for (int64_t i = 0; i < nb; i++) {
+        if (bytes)
+            pblock8(type, panel + i * pb, nb, cols, xq8, xd, xs, mr, lanes, i, i < 8);
+        else
+            pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, i < 8);
+    }
     lanes_out(lanes, nb, mr, out);
 }
 
-static void ptile(int type, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq, const float *xd,
-                  const float *xs, int mr, float *lanes, float *out) {
-#define PTILE_Q40(R) ptile_mr(T_Q4_0, panel, nb, cols, xq, xd, xs, R, lanes, out)
-#define PTILE_Q41(R) ptile_mr(T_Q4_1, panel, nb, cols, xq, xd, xs, R, lanes, out)
-#define PTILE_Q80(R) ptile_mr(T_Q8_0, panel, nb, cols, xq, xd, xs, R, lanes, out)
-    if (type == T_Q8_0)
-        WITH_CONSTANT_ROWS(mr, PTILE_Q80);
-    else if (type == T_Q4_1)
-        WITH_CONSTANT_ROWS(mr, PTILE_Q41);
-    else
-        WITH_CONSTANT_ROWS(mr, PTILE_Q40);
+static void ptile(int kind, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq, const int8_t *xq8,
+                  const float *xd, const float *xs, int mr, float *lanes, float *out) {
+#define PTILE(T, B, R) ptile_mr(T, B, panel, nb, cols, xq, xq8, xd, xs, R, lanes, out)
+#define PTILE_Q40(R) PTILE(T_Q4_0, 0, R)
+#define PTILE_Q41(R) PTILE(T_Q4_1, 0, R)
+#define PTILE_Q80(R) PTILE(T_Q8_0, 0, R)
+#define PTILE8_Q40(R) PTILE(T_Q4_0, 1, R)
+#define PTILE8_Q41(R) PTILE(T_Q4_1, 1, R)
+    switch (kind) {
+    case T_Q8_0 | PANELS: WITH_CONSTANT_ROWS(mr, PTILE_Q80); break;
+    case T_Q4_1 | PANELS: WITH_CONSTANT_ROWS(mr, PTILE_Q41); break;
+    case T_Q4_0 | PANELS: WITH_CONSTANT_ROWS(mr, PTILE_Q40); break;
+    case T_Q4_1 | PANELS8: WITH_CONSTANT_ROWS(mr, PTILE8_Q41); break;
+    default: WITH_CONSTANT_ROWS(mr, PTILE8_Q40); break;
+    }
+#undef PTILE
 #undef PTILE_Q40
 #undef PTILE_Q41
 #undef PTILE_Q80
+#undef PTILE8_Q40
+#undef PTILE8_Q41
 }
 #else
-static void panel_row(int type, const uint8_t *w, int64_t r, int64_t cols, float *y) {
-    (void)type, (void)w, (void)r, (void)cols, (void)y;  /* never called: radixkv_panel_bytes refuses every matrix */
+static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float *y) {
+    (void)kind, (void)w, (void)r, (void)cols, (void)y;  /* never called: radixkv_panel_bytes refuses every matrix */
 }
 #endif
 
 /* y[n, rows] = W^T times the rounded activations xb, W stored as panels (m->type carries
- * PANELS), any n: called by every thread of a parallel region, each taking a contiguous
+ * PANELS, or PANELS8 with act_max 127), any n: called by every thread of a parallel region, each taking a contiguous
  * range of panels (ends with a barrier). */
 static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #ifdef HAVE_PANELS
-    const int type = m->type & ~PANELS;
+    const int type = m->type & ~STORED;
     const int64_t cols = m->cols, nb = cols / 32, rows = m->rows, stride = nb * panel_block(type);
     const int64_t panels = (rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();
     float out[TILE_NR * TILE_MR] __attribute__((aligned(32)));
@@ -1509,7 +1569,8 @@ static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
         const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
         for (int64_t t = 0; t < n; t += TILE_MR) {
             const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-            ptile(type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
+            ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->q8 ? xb->q8 + t * cols : NULL,
+                  xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
             for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
         }
     }
@@ -1530,16 +1591,16 @@ static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                   int act_max, int threads) {
     if (check_matrix(type, rows, cols)) return -1;
-    const int64_t rb = type & PANELS ? 0 : row_bytes(type, cols);
+    const int64_t rb = type & STORED ? 0 : row_bytes(type, cols);
     const qmat m = {type, act_max, rows, cols, w};
     const int64_t nb = cols / 32, panels = (rows + TILE_NR - 1) / TILE_NR;
     xbuf xb;
     if (xbuf_alloc(&xb, n, nb, act_max <= 127)) return -2;
-    if ((type & PANELS) || is_split(type)) {
+    if ((type & STORED) || is_split(type)) {
 #pragma omp parallel num_threads(threads)
         {
             quantize_rows(x, n, cols, act_max, &xb);
-            if (type & PANELS)
+            if (type & STORED)
                 stored_panels(&m, n, y, &xb);
             else
                 split_panels(&m, n, y, &xb);

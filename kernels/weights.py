@@ -3,8 +3,8 @@
 A ``PackedMatrix`` holds one weight matrix ``[rows, cols]`` as the GGUF file's blocks
 (every byte kept, laid out for the kernels: ``split``, a ``uint8`` tensor ``[rows,
 row_bytes]`` with each row's block scales gathered ahead of its codes for the 32-value
-types; or ``panels``, Q4_0, Q4_1 and Q8_0 at 16-bit activations, sixteen rows interleaved
-as the integer tiles read them; ``blocks()`` gives GGUF's order back) and its ggml type.
+types; or ``panels``, Q4_0, Q4_1 and Q8_0, sixteen rows interleaved as the integer tiles
+read them; ``blocks()`` gives GGUF's order back) and its ggml type.
 ``linear(x)`` computes ``x @ W.T`` without expanding ``W``: the kernel rounds each
 token's activations to 16-bit integers per block of 32 (one float scale each) and takes
 the block dot products on integers, scaled once per block. The result is the exact
@@ -48,6 +48,7 @@ TYPES = {
 DENSE_FROM = 32  # tokens from which linear() takes the panel path by default
 LAYOUTS = ("split", "panels")  # how a PackedMatrix lays its blocks out for the kernels (see blocks())
 PANELS = 0x100  # added to a type id for the C entry points: the matrix is stored as panels
+PANELS8 = 0x200  # the same for Q4_0 and Q4_1 at 8-bit activations (codes in the byte tiles' order)
 PANEL_ROWS = 16  # rows a panel holds (the last one padded with zero rows)
 
 # activation_bits -> the codes' bound: activations are rounded per block of 32 to codes
@@ -173,7 +174,7 @@ class PackedMatrix:
     PackedMatrix's ``data``). Rows can be reordered or stacked (``stack``) without
     touching values. ``activation_bits`` (16 or 8): the precision the inputs are rounded
     to per block of 32 (``ACTIVATION_CODES``); every path rounds them alike. ``layout``:
-    ``panels`` (Q4_0, Q4_1 and Q8_0 at 16 bits on a build with AVX2 and F16C: the tiles read
+    ``panels`` (Q4_0, Q4_1 and Q8_0 on a build with AVX2 and F16C: the tiles read
     the weights as stored, at any batch size, instead of rebuilding each panel of 16 rows
     for every product; the same bits) or ``split``; None takes panels where they can be.
     """
@@ -202,25 +203,29 @@ class PackedMatrix:
         if self.data is None:
             self.data = data if split else self._repack(data, to_split=True)
         if layout == "panels" and self.layout != "panels":
-            raise ValueError(f"{self.type_name} at {self.activation_bits}-bit activations cannot be stored as panels "
-                             f"on this build (Q4_0, Q4_1 and Q8_0 at 16 bits, with AVX2 and F16C)")  # fmt: skip
+            raise ValueError(f"{self.type_name} cannot be stored as panels on this build (Q4_0, Q4_1 and Q8_0, "
+                             f"not portable, with AVX2 and F16C)")  # fmt: skip
         self.described = QMat(self._ctype, self.act_max, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
 
     @property
     def _ctype(self) -> int:
-        """The type as the C entry points take it: PANELS added for a matrix stored as panels."""
-        return self.type_id | PANELS if self.layout == "panels" else self.type_id
+        """The type as the C entry points take it: with PANELS or PANELS8 for a matrix stored as panels."""
+        return self._panel_kind if self.layout == "panels" else self.type_id
+
+    @property
+    def _panel_kind(self) -> int:
+        """The type as panels: the byte tiles' order for the 4-bit types at 8-bit activations."""
+        return self.type_id | (PANELS8 if self.act_max <= 127 and self.type_id in (2, 3) else PANELS)
 
     def _panels_possible(self) -> bool:
-        return (self.activation_bits == 16 and not self.portable
-                and self._lib.radixkv_panel_bytes(self.type_id, self.shape[0], self.cols) > 0)  # fmt: skip
+        return not self.portable and self._lib.radixkv_panel_bytes(self._panel_kind, self.shape[0], self.cols) > 0
 
     def _to_panels(self, ggml: torch.Tensor) -> torch.Tensor:
         """ggml's rows as panels (``qmatmul.c``, "panels kept in memory")."""
         panels = -(-self.shape[0] // PANEL_ROWS)
-        size = self._lib.radixkv_panel_bytes(self.type_id, self.shape[0], self.cols)
+        size = self._lib.radixkv_panel_bytes(self._panel_kind, self.shape[0], self.cols)
         out = torch.empty(panels, size // panels, dtype=torch.uint8)
-        self._lib.radixkv_panels(self.type_id, ggml.data_ptr(), self.shape[0], self.cols, out.data_ptr(), 1)
+        self._lib.radixkv_panels(self._panel_kind, ggml.data_ptr(), self.shape[0], self.cols, out.data_ptr(), 1)
         return out
 
     @property
@@ -237,11 +242,12 @@ class PackedMatrix:
         """The matrix in GGUF's layout, ``uint8 [rows, row_bytes]``. ``data`` holds the same
         values laid out for the kernels: ``split`` (each row's block scales gathered ahead
         of its codes: the kernels read eight blocks' scales at once; the K-quants as GGUF
-        has them) or ``panels`` (Q4_0, Q4_1, Q8_0 at 16-bit activations: sixteen rows'
-        codes interleaved as the integer tiles read them, ``[panels, bytes]``)."""
+        has them) or ``panels`` (Q4_0, Q4_1, Q8_0: sixteen rows' codes interleaved as the
+        integer tiles read them, ``[panels, bytes]``)."""
         if self.layout == "panels":
             out = torch.empty(self.shape[0], row_bytes(self.type_id, self.cols), dtype=torch.uint8)
-            self._lib.radixkv_panels(self.type_id, self.data.data_ptr(), self.shape[0], self.cols, out.data_ptr(), 0)
+            self._lib.radixkv_panels(self._panel_kind, self.data.data_ptr(), self.shape[0], self.cols, out.data_ptr(),
+                                     0)  # fmt: skip
             return out
         return self._repack(self.data, to_split=False)
 

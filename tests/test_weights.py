@@ -179,19 +179,21 @@ def test_the_prefill_path_computes_the_same_product(cols):
 
 
 def panels_built() -> bool:
-    return weights.load_library().radixkv_panel_bytes(3, 16, 32) > 0
+    return weights.load_library().radixkv_panel_bytes(3 | weights.PANELS, 16, 32) > 0
 
 
 @pytest.mark.skipif(not panels_built(), reason="this build has no stored panels (they need AVX2 and F16C)")
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("type_id", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
-def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id):
-    """Q4_0, Q4_1 and Q8_0 at 16-bit activations are stored as panels by default: the
-    same blocks (GGUF's bytes back, the same rows dequantized) and, at every batch size
-    on either path, the same bits as the split layout, whose tiles they replace (37 rows:
-    a partial last panel; 11 blocks a row)."""
+def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id, bits):
+    """Q4_0, Q4_1 and Q8_0 are stored as panels by default (the 4-bit types at 8-bit
+    activations in the byte tiles' order): the same blocks (GGUF's bytes back, the same
+    rows dequantized) and, at every batch size on either path, the same bits as the split
+    layout, whose tiles they replace (37 rows: a partial last panel; 11 blocks a row)."""
     rows, cols = 37, 352
     blocks = torch.from_numpy(random_blocks(type_id, rows, cols, seed=7))
-    panels, split = PackedMatrix(type_id, blocks, cols), PackedMatrix(type_id, blocks, cols, layout="split")
+    panels = PackedMatrix(type_id, blocks, cols, activation_bits=bits)
+    split = PackedMatrix(type_id, blocks, cols, activation_bits=bits, layout="split")
     assert (panels.layout, split.layout) == ("panels", "split")
     assert torch.equal(panels.blocks(), blocks)
     assert panels.data.numel() == -(-rows // 16) * 16 * (cols // 32) * TYPES[type_id][2]  # ggml's bytes, padded rows
@@ -203,7 +205,7 @@ def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id):
         for dense in (False, True):
             assert torch.equal(panels.linear(x[:n], dense=dense), split.linear(x[:n], dense=dense)), (n, dense)
     # stacking: whole panels are concatenated, a partial one goes back through the blocks
-    whole = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 32, cols, seed=8)), cols)
+    whole = PackedMatrix(type_id, torch.from_numpy(random_blocks(type_id, 32, cols, seed=8)), cols, activation_bits=bits)
     for parts in ([whole, panels], [panels, whole]):
         stacked = PackedMatrix.stack(parts)
         assert stacked.layout == "panels" and stacked.shape == (69, cols)
@@ -213,7 +215,7 @@ def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id):
 
 @pytest.mark.skipif(not panels_built(), reason="this build has no stored panels (they need AVX2 and F16C)")
 def test_a_matrix_that_cannot_be_panels_keeps_the_split_layout_or_says_why():
-    for type_id, bits in ((6, 16), (3, 8)):  # Q5_0; Q4_1 at 8-bit activations (the byte panels' path)
+    for type_id, bits in ((6, 16), (7, 8)):  # Q5_0, Q5_1 (their fifth bits: the split layout's byte panels)
         blk = torch.from_numpy(random_blocks(type_id, 3, 64))
         assert PackedMatrix(type_id, blk, 64, activation_bits=bits).layout == "split"
         with pytest.raises(ValueError, match="cannot be stored as panels"):
