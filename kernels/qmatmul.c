@@ -1518,12 +1518,17 @@ INLINE void ptile_mr(const int type, const int bytes, const uint8_t *panel, int6
                      const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, const int mr,
                      float *lanes, float *out) {
     const int64_t pb = panel_block(type);
-    for (int64_t i = 0; i < nb; i++) {
-        if (bytes)
-            pblock8(type, panel + i * pb, nb, cols, xq8, xd, xs, mr, lanes, i, i < 8);
-        else
-            pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, i < 8);
-    }
+#define PBLOCK(FIRST)                                                                \
+    do {                                                                             \
+        if (bytes)                                                                   \
+            pblock8(type, panel + i * pb, nb, cols, xq8, xd, xs, mr, lanes, i, FIRST); \
+        else                                                                         \
+            pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, FIRST);   \
+    } while (0)
+    int64_t i = 0;
+    for (; i < nb && i < 8; i++) PBLOCK(1);  /* a lane's first block: it starts from zero */
+    for (; i < nb; i++) PBLOCK(0);
+#undef PBLOCK
     lanes_out(lanes, nb, mr, out);
 }
 
