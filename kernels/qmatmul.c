@@ -7,8 +7,8 @@
  *
  * W is a GGUF tensor's data, every byte as the file holds it: row r is cols / QK blocks of
  * the type's bytes (for the 32-value types rearranged within the row: the split layout,
- * below; Q4_0, Q4_1 and Q8_0 at 16-bit activations interleaved across 16 rows instead: the
- * stored panels, further below). Nothing is expanded to floats beforehand: each product reads the packed blocks,
+ * below; Q4_0, Q4_1 and Q8_0 interleaved across 16 rows instead: the stored panels,
+ * further below). Nothing is expanded to floats beforehand: each product reads the packed blocks,
  * so a decode step moves 4.5 to 8.5 bits per weight instead of 32.
  *
  * Activations are rounded first, per token and block of 32, to 16-bit codes with one
@@ -686,6 +686,20 @@ static void dot_rows(int type, const uint8_t *w, int64_t rb, int64_t nrows, cons
 /* One row of the kernels' layout (split for the 32-value types) as floats. AVX2 takes a
  * 32-value type's block from its 16-bit codes (d u + m: products of an fp16 and a small
  * integer are exact in float32, so the one rounding is the add's, as in the scalar code). */
+#ifdef USE_AVX2
+/* y[0..32) = d * code + m (a multiply, then an add: the bits every dequantization gives) for
+ * a block's 16-bit codes c (values 0..15, 16..31) */
+static void dequant_codes(const __m256i c[2], float d, float m, float *y) {
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    for (int h = 0; h < 2; h++) {
+        const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(c[h]));
+        const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c[h], 1));
+        _mm256_storeu_ps(y + 16 * h, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(lo)), vm));
+        _mm256_storeu_ps(y + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(hi)), vm));
+    }
+}
+#endif
+
 static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
     int bv = block_values(type), bb = block_bytes(type);
     int64_t nb = cols / bv;
@@ -696,14 +710,8 @@ static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
         for (int64_t i = 0; i < nb; i++, y += 32) {
             __m256i c[2];
             block_codes(type, w + f.qs, w + f.qh, i, c);
-            float d = half(w + 2 * i), m = f.has_m ? half(w + f.m + 2 * i) : base * d;
-            const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-            for (int h = 0; h < 2; h++) {
-                __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(c[h]));
-                __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c[h], 1));
-                _mm256_storeu_ps(y + 16 * h, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(lo)), vm));
-                _mm256_storeu_ps(y + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(hi)), vm));
-            }
+            const float d = half(w + 2 * i), m = f.has_m ? half(w + f.m + 2 * i) : base * d;
+            dequant_codes(c, d, m, y);
         }
         return;
     }
@@ -714,11 +722,11 @@ static void dequant_row(int type, const uint8_t *w, int64_t cols, float *y) {
         dequant_block(type, is_split(type) ? blk : w + i * bb, y + i * bv);
     }
 }
-/* out[i] = row ids[i] of W (the kernels' layout) as floats (every row when ids is NULL).
- * Returns -1 for an unknown type or a row length the type's blocks do not divide. */
 static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float *y);
 int64_t radixkv_panel_bytes(int kind, int64_t rows, int64_t cols);
 
+/* out[i] = row ids[i] of W (the kernels' layout) as floats (every row when ids is NULL).
+ * Returns -1 for an unknown type or a row length the type's blocks do not divide. */
 int radixkv_dequant_rows(int type, const uint8_t *w, int64_t cols, const int64_t *ids, int64_t n, float *out,
                          int threads) {
     if (type & STORED) {
@@ -801,11 +809,11 @@ static void kernel_rows(const qmat *m, int64_t n, float *y, const xbuf *xb, int6
 
 static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
 static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb);
-int64_t radixkv_panel_bytes(int kind, int64_t rows, int64_t cols);
 
-/* -1 unless type (PANELS or not) and cols describe a matrix of rows the kernels take */
-static int check_matrix(int type, int64_t rows, int64_t cols) {
-    if (type & STORED) return radixkv_panel_bytes(type, rows, cols) < 0 ? -1 : 0;
+/* -1 unless type (stored as panels or not), cols and act_max describe a matrix of rows the
+ * kernels take (PANELS8 holds byte codes: 8-bit activations only) */
+static int check_matrix(int type, int64_t rows, int64_t cols, int act_max) {
+    if (type & STORED) return radixkv_panel_bytes(type, rows, cols) < 0 || ((type & PANELS8) && act_max > 127) ? -1 : 0;
     return row_bytes(type, cols) < 0 ? -1 : 0;
 }
 
@@ -842,7 +850,7 @@ int radixkv_qmatmul_last_threads(void) { return last_threads; }
  * its blocks do not divide; -2 when the activation buffer cannot be allocated. */
 int radixkv_qmatmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                     int act_max, int threads) {
-    if (check_matrix(type, rows, cols)) return -1;
+    if (check_matrix(type, rows, cols, act_max)) return -1;
     qmat m = {type, act_max, rows, cols, w};
     xbuf xb;
     if (xbuf_alloc(&xb, n, cols / 32, act_max <= 127)) return -2;
@@ -1304,7 +1312,7 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #pragma omp barrier
 }
 
-/* ---- panels kept in memory: Q4_0, Q4_1 and Q8_0 against 16-bit activations ----
+/* ---- panels kept in memory: Q4_0, Q4_1 and Q8_0 ----
  *
  * split_panels rebuilds each panel (16-bit pairs, transposed) for every product: at a
  * decode batch of 8 tokens that costs as much as the products themselves. A matrix of these
@@ -1323,7 +1331,7 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
  * 8 + b / 4 in the high one (a mask and a shift give igblock8's two byte vectors). The tiles then take igblock's
  * integer sums and its float steps, so a token's outputs are the same bits as on the split
  * layout, alone or in any batch (decode rows run on the panels too). The type argument of
- * the entry points below carries PANELS for such a matrix. */
+ * the entry points carries PANELS or PANELS8 for such a matrix. */
 #if defined(USE_AVX2) && defined(__F16C__)
 #define HAVE_PANELS 1
 #endif
@@ -1376,6 +1384,16 @@ int64_t radixkv_panel_bytes(int kind, int64_t rows, int64_t cols) {
 }
 
 #ifdef HAVE_PANELS
+/* code j of row pr of a panel's block p (its header and codes): block_code's value */
+static int panel_code(int kind, const uint8_t *p, int pr, int j) {
+    const int type = kind & ~STORED;
+    int64_t byte;
+    int shift;
+    code_at(kind, pr, j, &byte, &shift);
+    const uint8_t b = p[panel_head(type) + byte];
+    return type == T_Q8_0 ? (int8_t)b : (b >> shift) & 0xF;
+}
+
 /* row pr of a panel's block p (its header and codes) from ggml's block blk; p starts zeroed */
 static void panel_put(int kind, const uint8_t *blk, int pr, uint8_t *p) {
     const int type = kind & ~STORED;
@@ -1399,10 +1417,7 @@ static void panel_get(int kind, const uint8_t *p, int pr, uint8_t *blk) {
     uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
     if (type != T_Q8_0) memset(qs, 0, 16);
     for (int j = 0; j < 32; j++) {
-        int64_t byte;
-        int shift;
-        code_at(kind, pr, j, &byte, &shift);
-        const int c = (p[panel_head(type) + byte] >> shift) & (type == T_Q8_0 ? 0xFF : 0xF);
+        const int c = panel_code(kind, p, pr, j);
         if (type == T_Q8_0) qs[j] = (uint8_t)c;
         else qs[j % 16] |= (uint8_t)(j < 16 ? c : c << 4);
     }
@@ -1441,23 +1456,13 @@ static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float
     const int64_t nb = cols / 32, pb = panel_block(type);
     const int pr = (int)(r % TILE_NR);
     for (int64_t i = 0; i < nb; i++, y += 32) {
-        const uint8_t *p = w + ((r / TILE_NR) * nb + i) * pb, *codes = p + panel_head(type);
+        const uint8_t *p = w + ((r / TILE_NR) * nb + i) * pb;
         int16_t u[32];
-        for (int j = 0; j < 32; j++) {
-            int64_t byte;
-            int shift;
-            code_at(kind, pr, j, &byte, &shift);
-            u[j] = type == T_Q8_0 ? (int8_t)codes[byte] : (codes[byte] >> shift) & 0xF;
-        }
+        for (int j = 0; j < 32; j++) u[j] = (int16_t)panel_code(kind, p, pr, j);
         const uint16_t *h = (const uint16_t *)p;
         const float d = _cvtsh_ss(h[pr]), m = type == T_Q4_1 ? _cvtsh_ss(h[TILE_NR + pr]) : type == T_Q4_0 ? -8.0f * d : 0.0f;
-        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-        for (int half16 = 0; half16 < 2; half16++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(u + 16 * half16));
-            const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(c)), hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c, 1));
-            _mm256_storeu_ps(y + 16 * half16, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(lo)), vm));
-            _mm256_storeu_ps(y + 16 * half16 + 8, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(hi)), vm));
-        }
+        const __m256i c[2] = {_mm256_loadu_si256((const __m256i *)u), _mm256_loadu_si256((const __m256i *)(u + 16))};
+        dequant_codes(c, d, m, y);
     }
 }
 
@@ -1595,20 +1600,18 @@ static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
  * allocated. */
 int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n, float *y,
                   int act_max, int threads) {
-    if (check_matrix(type, rows, cols)) return -1;
-    const int64_t rb = type & STORED ? 0 : row_bytes(type, cols);
+    if (type & STORED) return radixkv_qmatmul(type, w, rows, cols, x, n, y, act_max, threads);  /* any n: the tiles */
+    const int64_t rb = row_bytes(type, cols);
+    if (rb < 0) return -1;
     const qmat m = {type, act_max, rows, cols, w};
     const int64_t nb = cols / 32, panels = (rows + TILE_NR - 1) / TILE_NR;
     xbuf xb;
     if (xbuf_alloc(&xb, n, nb, act_max <= 127)) return -2;
-    if ((type & STORED) || is_split(type)) {
+    if (is_split(type)) {
 #pragma omp parallel num_threads(threads)
         {
             quantize_rows(x, n, cols, act_max, &xb);
-            if (type & STORED)
-                stored_panels(&m, n, y, &xb);
-            else
-                split_panels(&m, n, y, &xb);
+            split_panels(&m, n, y, &xb);
         }
         xbuf_free(&xb);
         return 0;

@@ -197,6 +197,9 @@ class PackedMatrix:
         self.shape = (data.shape[0], cols)
         self._lib = load_library(portable)
         data = data.contiguous()
+        kind8 = type_id | PANELS8  # the byte tiles' order: only where the kernels take it (4-bit types, 8 bits)
+        byte_codes = self.act_max <= 127 and self._lib.radixkv_panel_bytes(kind8, 1, cols) > 0
+        self._panel_kind = kind8 if byte_codes else type_id | PANELS  # the type as panels, for the C entry points
         self.layout, self.data = "split", None
         if layout != "split" and self._panels_possible():
             self.layout, self.data = "panels", self._to_panels(self._repack(data, to_split=False) if split else data)
@@ -205,17 +208,13 @@ class PackedMatrix:
         if layout == "panels" and self.layout != "panels":
             raise ValueError(f"{self.type_name} cannot be stored as panels on this build (Q4_0, Q4_1 and Q8_0, "
                              f"not portable, with AVX2 and F16C)")  # fmt: skip
-        self.described = QMat(self._ctype, self.act_max, self.shape[0], cols, self.data.data_ptr())  # for Steps.native_layer
+        self._describe()
 
-    @property
-    def _ctype(self) -> int:
-        """The type as the C entry points take it: with PANELS or PANELS8 for a matrix stored as panels."""
-        return self._panel_kind if self.layout == "panels" else self.type_id
-
-    @property
-    def _panel_kind(self) -> int:
-        """The type as panels: the byte tiles' order for the 4-bit types at 8-bit activations."""
-        return self.type_id | (PANELS8 if self.act_max <= 127 and self.type_id in (2, 3) else PANELS)
+    def _describe(self) -> None:
+        """The type as the C entry points take it (with PANELS or PANELS8 for a matrix stored
+        as panels), and the matrix as ``Steps.native_layer`` passes it."""
+        self._ctype = self._panel_kind if self.layout == "panels" else self.type_id
+        self.described = QMat(self._ctype, self.act_max, self.shape[0], self.cols, self.data.data_ptr())
 
     def _panels_possible(self) -> bool:
         return not self.portable and self._lib.radixkv_panel_bytes(self._panel_kind, self.shape[0], self.cols) > 0
@@ -279,7 +278,7 @@ class PackedMatrix:
             # whole panels (only the last part's may be padded): their bytes in order are the stacked matrix's
             out = copy.copy(first)
             out.shape, out.data = (sum(p.shape[0] for p in parts), first.cols), torch.cat([p.data for p in parts])
-            out.described = QMat(out._ctype, out.act_max, out.shape[0], out.cols, out.data.data_ptr())
+            out._describe()
             return out
         return PackedMatrix(first.type_id, torch.cat([p.blocks() for p in parts]), first.cols, first.portable,
                             activation_bits=first.activation_bits)  # fmt: skip
