@@ -494,6 +494,38 @@ def test_eight_bit_activations_need_native_weights_and_name_their_own_pages():
     assert weights_fingerprint(n8) != weights_fingerprint(n16)  # the same blocks, other KV: never one namespace
 
 
+def test_one_checkpoint_has_one_fingerprint_whatever_layout_its_matrices_take():
+    """A CPU whose kernels store matrices as panels and one that keeps GGUF's rows (the
+    portable build) compute the same values from the same file: their pages share a key."""
+    import copy
+    from dataclasses import fields, replace
+
+    from radixkv.cache.tiers import weights_fingerprint
+    from radixkv.model.llama import Stacked
+
+    def as_rows(m):  # a new matrix in the split layout; the loaded (shared, cached) model stays as it is
+        if isinstance(m, Stacked):
+            return Stacked([as_rows(p) for p in m.parts])
+        if not isinstance(m, PackedMatrix):
+            return m
+        return PackedMatrix(m.type_id, m.blocks(), m.cols, activation_bits=m.activation_bits, layout="split")
+
+    panels = load_model(native=True)
+    rows = copy.copy(panels)
+    rows.embed = as_rows(panels.embed)
+    rows.lm_head = rows.embed if panels.lm_head is panels.embed else as_rows(panels.lm_head)
+    rows.layers = [replace(layer, **{f.name: as_rows(getattr(layer, f.name)) for f in fields(layer)})
+                   for layer in panels.layers]  # fmt: skip
+    stored = dict(panels.tensors()), dict(rows.tensors())
+    assert stored[0].keys() == stored[1].keys()
+    moved = [k for k in stored[0] if not torch.equal(stored[0][k], stored[1][k])]
+    if panels.layers[3].o.layout == "panels":  # this CPU's kernels: other bytes, the same values
+        assert len(moved) >= 4 * len(panels.layers)
+    assert weights_fingerprint(panels) == weights_fingerprint(rows)
+    rows.layers[3].o.data[0, 0] ^= 1  # one weight's bits (of the copy's own matrix): another model
+    assert weights_fingerprint(panels) != weights_fingerprint(rows)
+
+
 def test_native_weights_refuse_a_model_that_is_not_gguf(tmp_path):
     from tests.test_model_hf_dir import write_checkpoint
 

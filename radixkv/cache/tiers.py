@@ -229,13 +229,15 @@ def layout(pool) -> dict:
 
 def weights_fingerprint(model) -> str:
     """SHA-256 over the model's configuration and tensors as loaded (names, dtypes,
-    shapes, bytes) and, where not the default 16, the bits native weights round their
-    inputs to: the weights, not the file name, so two checkpoints served under one name
-    never share pages, nor one checkpoint at two activation precisions."""
+    shapes, bytes; native matrices as GGUF's blocks, not the layout this CPU's kernels
+    store them in, which gives the same values) and, where not the default 16, the bits
+    native weights round their inputs to: the weights, not the file name, so two
+    checkpoints served under one name never share pages, nor one checkpoint at two
+    activation precisions, while one checkpoint on two builds (panels or split rows) does."""
     h = hashlib.sha256(repr(model.config).encode())
     if model.activation_bits != 16:  # the same weights compute other KV from rounder inputs
         h.update(f"activation_bits|{model.activation_bits}|".encode())
-    for name, t in model.tensors():
+    for name, t in model.tensors(stored=False):
         t = t.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         h.update(t.view(-1).view(torch.uint8).numpy().data)

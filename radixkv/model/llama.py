@@ -129,15 +129,21 @@ class LlamaModel:
                     if getattr(layer, f.name) is not None]  # fmt: skip
         return out
 
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def tensors(self, stored: bool = True) -> list[tuple[str, torch.Tensor]]:
         """Every weight tensor by name, as loaded (a head tied to the embedding once);
-        a packed matrix as its bytes, named with its type (``layers.0.o:Q4_1``), the parts
-        of a ``Stacked`` one by one."""
+        a packed matrix named with its type (``layers.0.o:Q4_1``), as the bytes it is
+        stored in or, with ``stored=False``, as GGUF's blocks where it can give them back
+        (``PackedMatrix.blocks()``: the same whatever layout this CPU's kernels chose); the
+        parts of a ``Stacked`` one by one."""
         out = []
         for name, m in self._matrices():
             for j, part in enumerate(m.parts if isinstance(m, Stacked) else [m]):
                 label = f"{name}.{j}" if isinstance(m, Stacked) else name
-                out.append((f"{label}:{part.type_name}", part.data) if _packed(part) else (label, part))
+                if not _packed(part):
+                    out.append((label, part))
+                else:
+                    data = part.data if stored or not hasattr(part, "blocks") else part.blocks()
+                    out.append((f"{label}:{part.type_name}", data))
         return out
 
     def weights_summary(self) -> dict:
