@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", help="comma-separated subset of few_shot,multi_turn,branching,rag,agent")
     bench.add_argument("--systems", help="comma-separated subset of radixkv,radixkv-no-cache,radixkv-bf16-kv,radixkv-act8,"
                                           "transformers,llama.cpp")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="run every system this many times, in reversed order every other round; the "
+                            "throughput multiples are the median of the rounds' (default 1)")  # fmt: skip
     bench.add_argument("--out", default="benchmarks/out", help="where JSON and plots go (default benchmarks/out)")
 
     sim = sub.add_parser("sim", help="replay a trace against the prefix cache at several capacities")
@@ -432,7 +435,7 @@ def _bytes_per_page(model: str | None, formats: tuple[str, ...], page_size: int)
 def cmd_bench(args) -> int:
     from radixkv.workloads import bench
 
-    argv = ["--scale", args.scale, "--out", args.out]
+    argv = ["--scale", args.scale, "--out", args.out, "--rounds", str(args.rounds)]
     for flag in ("workloads", "systems"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]

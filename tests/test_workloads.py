@@ -93,3 +93,25 @@ def test_the_program_workloads_replay_in_radixkv_sim(tmp_path, capsys):
     assert "agent program (seed 0)" in out and (tmp_path / "agent.jsonl").stat().st_size > 0
     lines = (tmp_path / "agent.jsonl").read_text().splitlines()
     assert len(lines) == len(W.make("agent").runs) * (W.FULL.agent_steps + 1)  # one request per gen call
+
+
+def test_rounds_give_each_ratio_within_its_round_and_their_median(capsys):
+    """With --rounds, radixkv is compared with a peer run in the same round only, and the
+    summary is the median of those ratios."""
+
+    def run(system, rnd, tok_s):
+        return bench.Result("rag", system, 10.0, 5, int(tok_s * 10), 100, 40, 0.1, 0.2, [], rnd)
+
+    results = [run("radixkv", 0, 20.0), run("vllm", 0, 10.0), run("vllm", 1, 16.0), run("radixkv", 1, 24.0),
+               run("radixkv", 2, 15.0), run("vllm", 2, 12.5)]  # fmt: skip
+    summary, by_round = bench.print_tables(results)
+    assert by_round["rag"]["vllm"] == pytest.approx([2.0, 1.5, 1.2])
+    assert summary["rag"]["vllm"] == pytest.approx(1.5)
+    out = capsys.readouterr().out
+    assert "radixkv #3" in out and "1.50x vllm (median of 2.00, 1.50, 1.20)" in out
+
+
+def test_rounds_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0", "--systems", "radixkv"])
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err

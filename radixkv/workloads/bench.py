@@ -68,6 +68,7 @@ class Result:
     ttft_p50: float | None
     ttft_p90: float | None
     texts: list[str]
+    round: int = 0  # with --rounds: which round of the systems this run was in
 
     @property
     def tok_s(self) -> float:
@@ -156,29 +157,36 @@ def fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
-def print_tables(results: list[Result]) -> dict:
-    """Per workload: the systems' figures, and radixkv's throughput multiples."""
-    summary = {}
+def print_tables(results: list[Result]) -> tuple[dict, dict]:
+    """Per workload: the systems' figures, and radixkv's throughput multiples: each
+    round's (radixkv's tok/s over the peer's in the same round) and their median, the
+    summary."""
+    summary, by_round = {}, {}
+    several = len({r.round for r in results}) > 1
     for workload in dict.fromkeys(r.workload for r in results):
         rows = [r for r in results if r.workload == workload]
         print(f"\n== {workload}")
-        print(f"{'system':<18}{'wall s':>9}{'out tok/s':>11}{'req/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}"
+        print(f"{'system':<22}{'wall s':>9}{'out tok/s':>11}{'req/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}"
               f"{'hit %':>8}{'same text':>11}")  # fmt: skip
-        ref = next((r for r in rows if r.system == "transformers"), None)
         for r in rows:
+            ref = next((x for x in rows if x.system == "transformers" and x.round == r.round), None)
             same = "-" if ref is None or r is ref else f"{sum(a == b for a, b in zip(r.texts, ref.texts))}/{len(r.texts)}"
             hit = fmt(None if r.hit_rate is None else 100 * r.hit_rate, ".1f")
-            print(f"{r.system:<18}{r.wall_s:>9.1f}{r.tok_s:>11.1f}{r.req_s:>8.2f}{fmt(r.ttft_p50, '.2f'):>10}"
+            label = f"{r.system} #{r.round + 1}" if several else r.system
+            print(f"{label:<22}{r.wall_s:>9.1f}{r.tok_s:>11.1f}{r.req_s:>8.2f}{fmt(r.ttft_p50, '.2f'):>10}"
                   f"{fmt(r.ttft_p90, '.2f'):>10}{hit:>8}{same:>11}")  # fmt: skip
-        ours = next((r for r in rows if r.system == "radixkv"), None)
-        summary[workload] = {}
+        summary[workload], by_round[workload] = {}, {}
         for peer in GOALS:
-            other = next((r for r in rows if r.system == peer), None)
-            if ours and other:
-                summary[workload][peer] = ours.tok_s / other.tok_s
+            ratios = [ours.tok_s / other.tok_s for ours in rows if ours.system == "radixkv"
+                      for other in rows if other.system == peer and other.round == ours.round]  # fmt: skip
+            if ratios:
+                summary[workload][peer], by_round[workload][peer] = float(np.median(ratios)), ratios
         if summary[workload]:
-            print("radixkv throughput: " + ", ".join(f"{v:.2f}x {k}" for k, v in summary[workload].items()))
-    return summary
+            print("radixkv throughput: " + ", ".join(
+                f"{v:.2f}x {k}" + (f" (median of {', '.join(f'{x:.2f}' for x in by_round[workload][k])})"
+                                   if len(by_round[workload][k]) > 1 else "")
+                for k, v in summary[workload].items()))  # fmt: skip
+    return summary, by_round
 
 
 def plot_throughput(results: list[Result], path: Path) -> None:
@@ -233,22 +241,30 @@ def plot_hit_rates(workloads: list[W.Workload], path: Path, trace_dir: Path) -> 
     return curves
 
 
-def run_all(scale: W.Scale, names: list[str], systems: dict[str, Callable], seed: int = 0) -> list[Result]:
+def run_all(scale: W.Scale, names: list[str], systems: dict[str, Callable], seed: int = 0,
+            rounds: int = 1) -> list[Result]:  # fmt: skip
+    """Every system through every workload, one system at a time (its server started,
+    warmed up, used for all the workloads, stopped); with ``rounds`` > 1 all of that again,
+    the systems' order reversed every other round, so that a drift of the machine's speed
+    reaches both sides of a ratio."""
     workloads = [W.make(n, seed, scale) for n in names]
     results = []
-    for system, factory in systems.items():
-        opened = factory()
-        if opened is None:
-            continue
-        try:
-            warm_up(opened.backend)
-            for w in workloads:
-                opened.reset()
-                print(f"[{system}] {w.name} ...", flush=True)
-                reports_cache = getattr(opened, "reports_cache", system.startswith("radixkv"))
-                results.append(measure(w, system, opened.backend, reports_cache))
-        finally:
-            opened.close()
+    for k in range(rounds):
+        for system, factory in (systems.items() if k % 2 == 0 else reversed(systems.items())):
+            opened = factory()
+            if opened is None:
+                continue
+            try:
+                warm_up(opened.backend)
+                for w in workloads:
+                    opened.reset()
+                    print(f"[{system}{f' #{k + 1}' if rounds > 1 else ''}] {w.name} ...", flush=True)
+                    reports_cache = getattr(opened, "reports_cache", system.startswith("radixkv"))
+                    result = measure(w, system, opened.backend, reports_cache)
+                    result.round = k
+                    results.append(result)
+            finally:
+                opened.close()
     return results
 
 
@@ -261,6 +277,9 @@ def main(argv=None, peers: dict[str, Callable] | None = None, versions: Callable
     ap.add_argument("--workloads", default=",".join(W.WORKLOADS))
     ap.add_argument("--systems", default=",".join(systems_known))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every system this many times, in reversed order every other round; the "
+                         "throughput multiples are the median of the rounds' (each round's radixkv over its peer)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/out", help="directory for JSON, plots and traces")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
@@ -273,12 +292,14 @@ def main(argv=None, peers: dict[str, Callable] | None = None, versions: Callable
     for s in systems:
         if s not in systems_known:
             ap.error(f"unknown system {s!r}; choose from {', '.join(systems_known)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     scale = W.SCALES[args.scale]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = run_all(scale, names, {s: systems_known[s] for s in systems}, args.seed)
-    summary = print_tables(results)
+    results = run_all(scale, names, {s: systems_known[s] for s in systems}, args.seed, args.rounds)
+    summary, by_round = print_tables(results)
     curves = {}
     if not args.no_plots and results:
         plot_throughput(results, out / "e2e_throughput.png")
@@ -288,8 +309,8 @@ def main(argv=None, peers: dict[str, Callable] | None = None, versions: Callable
              "hit_rate": r.hit_rate} for r in results]  # fmt: skip
     peer_versions = versions() if versions else {}
     write_result(out / "bench_e2e.json", rows, scale=args.scale, scale_settings=asdict(scale), seed=args.seed,
-                 **peer_versions,
-                 speedups=summary, hit_rate_vs_capacity=curves, goals=GOALS,
+                 **peer_versions, rounds=args.rounds,
+                 speedups=summary, speedups_by_round=by_round, hit_rate_vs_capacity=curves, goals=GOALS,
                  total_seconds=time.perf_counter() - t0)  # fmt: skip
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
