@@ -114,6 +114,17 @@ def test_priority_orders_admission(engine):
     assert order == [2, 3, 1, 0], (order, finish)
 
 
+def test_a_batch_with_a_bad_prompt_sends_none_of_it(engine):
+    """generate() checks every prompt before it sends any (one command: the loop admits a
+    batch together, so priorities order all of it), and a refused one leaves nothing running."""
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    before = engine.loop.generated_tokens
+    with pytest.raises(ValueError, match="the model's context is"):
+        engine.generate([ask(engine, "Hi."), [1] * (engine.max_context + 1)], params)
+    assert len(engine.generate(ask(engine, "Hello."), params).token_ids) == 4  # behind the first, had it been sent
+    assert engine.loop.generated_tokens == before + 4
+
+
 def test_top_logprobs_leave_out_the_tokens_a_constraint_removed(engine):
     p = SamplingParams(temperature=0, max_new_tokens=4, choices=["yes", "no"], logprobs=True, top_logprobs=5)
     out = engine.generate(ask(engine, "Is water wet?"), p).outputs[0]

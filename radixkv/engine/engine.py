@@ -221,8 +221,17 @@ class Engine:
         if len(plist) != len(batch):
             raise ValueError(f"params has {len(plist)} entries for {len(batch)} prompts")
         compiled = [self.compile_constraint(sp) if isinstance(sp, SamplingParams) else None for sp in plist]
-        sinks = [self._submit(p, sp, namespace, constraint=c, cache_control=cache_control, session_id=session_id)
-                 for p, sp, c in zip(batch, plist, compiled)]  # fmt: skip
+        prepared = []  # every prompt checked before any is sent: one command, so the loop admits them together
+        try:
+            for p, sp, c in zip(batch, plist, compiled):
+                prepared.append(self._prepare(p, sp, namespace, constraint=c, cache_control=cache_control,
+                                              session_id=session_id))  # fmt: skip
+        except BaseException:
+            for sink, _ in prepared:
+                self._sinks.pop(sink.rid, None)
+            raise
+        self._commands.put(AddRequests(tuple(r for _, reqs in prepared for r in reqs)))
+        sinks = [sink for sink, _ in prepared]
         for sink in sinks:
             sink.done.wait()
         outs = [sink.result for sink in sinks]
@@ -427,6 +436,14 @@ class Engine:
 
     def _submit(self, prompt, params, namespace, loop=None, stream=False, constraint=None, cache_control=None,
                 session_id=None) -> _Sink:  # fmt: skip
+        sink, reqs = self._prepare(prompt, params, namespace, loop, stream, constraint, cache_control, session_id)
+        self._commands.put(AddRequests(reqs))
+        return sink
+
+    def _prepare(self, prompt, params, namespace, loop=None, stream=False, constraint=None, cache_control=None,
+                 session_id=None) -> tuple[_Sink, tuple[NewRequest, ...]]:  # fmt: skip
+        """Check one prompt and its settings (errors name the field), register its sink,
+        and return it with the requests to send (``params.n`` of them)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         controls = _cache_controls(cache_control)
@@ -449,8 +466,7 @@ class Engine:
                        controls, session_id)  # fmt: skip
             for i in range(params.n)
         )
-        self._commands.put(AddRequests(reqs))
-        return sink
+        return sink, reqs
 
     def check_policy(self, params: SamplingParams, prompt_len: int) -> None:
         """FieldError naming the field unless ``params``' long-context policy (if any)

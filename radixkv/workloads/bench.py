@@ -200,7 +200,8 @@ def plot_throughput(results: list[Result], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(systems)
     for i, system in enumerate(systems):
-        vals = [next((r.tok_s for r in results if r.workload == w and r.system == system), 0) for w in workloads]
+        vals = [float(np.median([r.tok_s for r in results if r.workload == w and r.system == system] or [0]))
+                for w in workloads]  # fmt: skip  (the median over --rounds)
         ax.bar(np.arange(len(workloads)) + i * width, vals, width, label=system)
     ax.set_xticks(np.arange(len(workloads)) + 0.4 - width / 2, workloads)
     ax.set_ylabel("output tokens / s")
