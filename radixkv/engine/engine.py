@@ -221,17 +221,9 @@ class Engine:
         if len(plist) != len(batch):
             raise ValueError(f"params has {len(plist)} entries for {len(batch)} prompts")
         compiled = [self.compile_constraint(sp) if isinstance(sp, SamplingParams) else None for sp in plist]
-        prepared = []  # every prompt checked before any is sent: one command, so the loop admits them together
-        try:
-            for p, sp, c in zip(batch, plist, compiled):
-                prepared.append(self._prepare(p, sp, namespace, constraint=c, cache_control=cache_control,
-                                              session_id=session_id))  # fmt: skip
-        except BaseException:
-            for sink, _ in prepared:
-                self._sinks.pop(sink.rid, None)
-            raise
-        self._commands.put(AddRequests(tuple(r for _, reqs in prepared for r in reqs)))
-        sinks = [sink for sink, _ in prepared]
+        # every prompt checked before any is sent, then one command: the loop admits them together
+        sinks = self._send([self._prepare(p, sp, namespace, constraint=c, cache_control=cache_control,
+                                          session_id=session_id) for p, sp, c in zip(batch, plist, compiled)])  # fmt: skip
         for sink in sinks:
             sink.done.wait()
         outs = [sink.result for sink in sinks]
@@ -436,14 +428,21 @@ class Engine:
 
     def _submit(self, prompt, params, namespace, loop=None, stream=False, constraint=None, cache_control=None,
                 session_id=None) -> _Sink:  # fmt: skip
-        sink, reqs = self._prepare(prompt, params, namespace, loop, stream, constraint, cache_control, session_id)
-        self._commands.put(AddRequests(reqs))
-        return sink
+        return self._send([self._prepare(prompt, params, namespace, loop, stream, constraint, cache_control,
+                                         session_id)])[0]  # fmt: skip
+
+    def _send(self, prepared: list[tuple[_Sink, tuple[NewRequest, ...]]]) -> list[_Sink]:
+        """Register the prepared requests' sinks and send the requests to the loop in one
+        command."""
+        for sink, _ in prepared:
+            self._sinks[sink.rid] = sink
+        self._commands.put(AddRequests(tuple(r for _, reqs in prepared for r in reqs)))
+        return [sink for sink, _ in prepared]
 
     def _prepare(self, prompt, params, namespace, loop=None, stream=False, constraint=None, cache_control=None,
                  session_id=None) -> tuple[_Sink, tuple[NewRequest, ...]]:  # fmt: skip
-        """Check one prompt and its settings (errors name the field), register its sink,
-        and return it with the requests to send (``params.n`` of them)."""
+        """Check one prompt and its settings (errors name the field); its sink (not yet
+        registered: ``_send``) and the requests to send (``params.n`` of them)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         controls = _cache_controls(cache_control)
@@ -456,7 +455,7 @@ class Engine:
         ids = tuple(self.prompt_ids(prompt, bounded=params.kv_policy is not None, unbounded=params.kv_rerotate))
         self.check_policy(params, len(ids))
         rid = new_rid()
-        sink = self._sinks[rid] = _Sink(rid, params.n, loop, stream)
+        sink = _Sink(rid, params.n, loop, stream)
         if self.trace_writer is not None:
             sink.trace = (ids, namespace, params.priority, SESSION.get())
         now = time.perf_counter()
