@@ -43,7 +43,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Callable
@@ -244,28 +244,33 @@ def plot_hit_rates(workloads: list[W.Workload], path: Path, trace_dir: Path) -> 
 
 def run_all(scale: W.Scale, names: list[str], systems: dict[str, Callable], seed: int = 0,
             rounds: int = 1) -> list[Result]:  # fmt: skip
-    """Every system through every workload, one system at a time (its server started,
-    warmed up, used for all the workloads, stopped); with ``rounds`` > 1 all of that again,
-    the systems' order reversed every other round, so that a drift of the machine's speed
-    reaches both sides of a ratio."""
+    """Every system through every workload, one system at a time; with ``rounds`` > 1 all
+    of that again, the systems' order reversed every other round, so that a drift of the
+    machine's speed reaches both sides of a ratio."""
     workloads = [W.make(n, seed, scale) for n in names]
     results = []
     for k in range(rounds):
         for system, factory in (systems.items() if k % 2 == 0 else reversed(systems.items())):
-            opened = factory()
-            if opened is None:
-                continue
-            try:
-                warm_up(opened.backend)
-                for w in workloads:
-                    opened.reset()
-                    print(f"[{system}{f' #{k + 1}' if rounds > 1 else ''}] {w.name} ...", flush=True)
-                    reports_cache = getattr(opened, "reports_cache", system.startswith("radixkv"))
-                    result = measure(w, system, opened.backend, reports_cache)
-                    result.round = k
-                    results.append(result)
-            finally:
-                opened.close()
+            results += run_system(system, factory, workloads, k if rounds > 1 else None)
+    return results
+
+
+def run_system(system: str, factory: Callable, workloads: list[W.Workload], round_: int | None) -> list[Result]:
+    """``system``'s server started, warmed up, run through ``workloads`` (its cache flushed
+    before each) and stopped; none where it cannot run. ``round_``: with --rounds, which."""
+    opened = factory()
+    if opened is None:
+        return []
+    results = []
+    try:
+        warm_up(opened.backend)
+        for w in workloads:
+            opened.reset()
+            print(f"[{system}{'' if round_ is None else f' #{round_ + 1}'}] {w.name} ...", flush=True)
+            reports_cache = getattr(opened, "reports_cache", system.startswith("radixkv"))
+            results.append(replace(measure(w, system, opened.backend, reports_cache), round=round_ or 0))
+    finally:
+        opened.close()
     return results
 
 
