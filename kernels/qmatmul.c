@@ -1565,24 +1565,42 @@ static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float
 }
 #endif
 
-/* y[n, rows] = W^T times the rounded activations xb, W stored as panels (m->type carries
- * PANELS, or PANELS8 with act_max 127), any n: called by every thread of a parallel region, each taking a contiguous
- * range of panels (ends with a barrier). */
-static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #ifdef HAVE_PANELS
+/* panel c of y[n, rows] = W^T times the rounded activations xb (W stored as panels) */
+INLINE void stored_panel(const qmat *m, int64_t n, float *y, const xbuf *xb, int64_t c, float *lanes, float *out) {
     const int type = m->type & ~STORED;
     const int64_t cols = m->cols, nb = cols / 32, rows = m->rows, stride = nb * panel_block(type);
-    const int64_t panels = (rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
+    for (int64_t t = 0; t < n; t += TILE_MR) {
+        const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
+        ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->q8 ? xb->q8 + t * cols : NULL,
+              xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
+        for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+    }
+}
+#endif
+
+/* From this many tokens on a panel is a long job (tens of microseconds), and threads claim
+ * panels one at a time as they come free */
+#define CLAIM_FROM (8 * TILE_MR)
+
+/* y[n, rows] = W^T times the rounded activations xb, W stored as panels (m->type carries
+ * PANELS, or PANELS8 with act_max 127), any n: called by every thread of a parallel region
+ * (ends with a barrier). Few tokens (decode steps): each thread takes a fixed contiguous
+ * range of panels (the same panels step after step). Many (prefill, extends): the threads
+ * claim panels as they come free, since in a server the OS gives a core to its other
+ * threads (HTTP, tokenizer, clients) now and then, and a thread it interrupts then leaves
+ * its panels to the others instead of holding all of them up at the barrier. */
+static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
+#ifdef HAVE_PANELS
+    const int64_t panels = (m->rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();
     float out[TILE_NR * TILE_MR] __attribute__((aligned(32)));
     float lanes[LANE_FLOATS * TILE_MR] __attribute__((aligned(32)));
-    for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) {
-        const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
-        for (int64_t t = 0; t < n; t += TILE_MR) {
-            const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-            ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->q8 ? xb->q8 + t * cols : NULL,
-                  xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
-            for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
-        }
+    if (n >= CLAIM_FROM) {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t c = 0; c < panels; c++) stored_panel(m, n, y, xb, c, lanes, out);
+    } else {
+        for (int64_t c = panels * me / nth; c < panels * (me + 1) / nth; c++) stored_panel(m, n, y, xb, c, lanes, out);
     }
 #else
     (void)m, (void)n, (void)y, (void)xb;
