@@ -412,7 +412,8 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
     assert torch.equal(mixed, torch.cat([*alone, ext_alone]))
     assert np.array_equal(pool.read_pages(np.concatenate([*tables, ext_table])), kv_alone)
     layer_calls = calls[:-1]  # the head takes one row per sequence
-    assert len(layer_calls) == 4 * c.num_layers and set(layer_calls) == {(len(extend) + 2, True)}
+    assert len(layer_calls) == 4 * c.num_layers and set(layer_calls[:-3]) == {(len(extend) + 2, True)}
+    assert layer_calls[-3:] == [(3, True)] * 3  # the last layer past its attention: the rows read
     pool.decref(np.concatenate([*tables, ext_table]))
     pool.check_integrity()
     # the K-quants: the same batch shape, rows routed by their own sequence
@@ -423,6 +424,41 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
     routed = llama._routed_linear(ForwardBatch.build([*decode, SeqInput(extend, 0, ext_table)], 16))(x, q6)
     assert torch.equal(routed[:2], q6.linear(x[:2], dense=False)) and torch.equal(routed[2:], q6.linear(x[2:], dense=True))
     assert not torch.equal(q6.linear(x, dense=True)[:2], routed[:2])  # the two paths differ for it
+
+
+def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(native, monkeypatch):
+    """Every new token's K/V is written in every layer, but only a sequence's last row is
+    read past the last layer: its output projection and MLP take those rows alone (a decode
+    row, an extend's last, a prefill's last), and the logits are the bits every row's
+    forward gives those rows; the pool's pages are the same too."""
+    c = native.config
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (40, 70, 33)]
+
+    def run(all_rows: bool):
+        pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=32))
+        tables = [pool.alloc(5) for _ in prompts]
+        cached = [SeqInput(prompts[0][:-1], 0, tables[0]), SeqInput(prompts[1][:30], 0, tables[1])]
+        native.forward(ForwardBatch.build(cached, 16), pool)
+        seqs = [SeqInput(prompts[0][-1:], 39, tables[0]), SeqInput(prompts[1][30:], 30, tables[1]),
+                SeqInput(prompts[2], 0, tables[2])]  # a decode row, an extend, a prefill
+        batch = ForwardBatch.build(seqs, 16)
+        calls.clear()
+        logits = native.forward(batch, pool, all_logits=all_rows)
+        kv = pool.read_pages(np.concatenate(tables))
+        pool.decref(np.concatenate(tables))
+        pool.check_integrity()
+        return (logits[(batch.qo_indptr[1:] - 1).long()] if all_rows else logits), kv, list(calls)
+
+    calls = []
+    monkeypatch.setattr(weights.PackedMatrix, "linear", lambda self, x, threads=None, dense=None,
+                        f=weights.PackedMatrix.linear: calls.append(len(x)) or f(self, x, threads, dense))  # fmt: skip
+    read, kv_read, calls_read = run(False)
+    every, kv_every, calls_every = run(True)
+    assert torch.equal(read, every) and np.array_equal(kv_read, kv_every)
+    rows = 1 + 40 + 33
+    assert calls_every[: 4 * c.num_layers] == [rows] * (4 * c.num_layers)
+    assert calls_read == [rows] * (4 * c.num_layers - 3) + [3, 3, 3] + [3]  # the last o, gate_up, down; the head
 
 
 # activation_bits 8 against fp32 weights (README states them): per next-token distribution over the chat

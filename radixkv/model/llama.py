@@ -229,18 +229,20 @@ class LlamaModel:
         if cfg.embed_scale is not None:  # as HF: the scale rounded to float32, then to the activation dtype
             x = x * torch.tensor(cfg.embed_scale).to(x.dtype)
         head = _linear
+        last = None if all_logits else (batch.qo_indptr[1:] - 1).long()  # the rows whose logits are read
         if self._one_call_layers and all(n == 1 for n in batch.qo_lens):
             x = self._native_decode_layers(x, batch, pool, backend, cos, sin)
             head = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
         elif self._steps is not None:  # native on the CPU
-            mm = _routed_linear(batch)
-            x = self._native_layers(x, batch, pool, backend, cos, sin, mm)
-            head = mm if all_logits else partial(_linear, dense=False)  # a row per sequence: the kernel
+            x = self._native_layers(x, batch, pool, backend, cos, sin, last)
+            # every row: routed as the layers; a row per sequence: the kernel
+            head = _routed_linear(batch) if all_logits else partial(_linear, dense=False)
+            last = None  # x holds those rows alone already
         else:
             local = self._rope(batch.positions, local=True) if cfg.local_rope_theta is not None else rope
             x = self._dense_layers(x, batch, pool, backend, rope, local)
-        if not all_logits:
-            x = x[(batch.qo_indptr[1:] - 1).long()]
+        if last is not None:
+            x = x[last]
         logits = head(self._norm(x, self.norm), self.lm_head)
         if cfg.final_logit_softcap is not None:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
@@ -282,14 +284,20 @@ class LlamaModel:
             x = x + out
         return x
 
-    def _native_layers(self, x, batch, pool, backend, cos, sin, mm) -> torch.Tensor:
-        """The layers of a native model: products on the packed blocks (``mm``: routed by
-        sequence, ``_routed_linear``), the steps between them in one C call each
+    def _native_layers(self, x, batch, pool, backend, cos, sin, last=None) -> torch.Tensor:
+        """The layers of a native model: products on the packed blocks (routed by sequence,
+        ``_routed_linear``), the steps between them in one C call each
         (``radixkv.kernels.weights.Steps``), the residual stream ``x`` updated in place.
-        The same arithmetic as the dense loop, float32."""
+        The same arithmetic as the dense loop, float32. ``last``: the rows whose logits are
+        read (a sequence's last), or None for every row: the last layer needs every row's K
+        and V, but past its attention only those rows, so its output projection and MLP run
+        on them alone (as llama.cpp's output rows) and the rows returned are those. On packed
+        matrices a row's bits are the same either way (a product gives a row the bits of its
+        own path, whatever else is in it)."""
         cfg, steps, eps = self.config, self._steps, self.config.rms_norm_eps
         hq, hkv, d, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dims
         cos, sin = cos.reshape(-1, rot), sin.reshape(-1, rot)
+        mm = _routed_linear(batch)
         x = x.contiguous()
         h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
         for i, w in enumerate(self.layers):
@@ -299,8 +307,11 @@ class LlamaModel:
             steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place (partial rotary: the leading rot dims)
             q, k, v = self._heads(qkv)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i))
-            h = steps.add_rms_norm(x, mm(o.reshape(-1, hq * d), w.o), w.mlp_norm, eps)
+            o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i)).reshape(-1, hq * d)
+            if last is not None and i + 1 == len(self.layers) and len(last) < x.shape[0]:
+                o, x = o[last], x[last]  # copies: the rows read, in their sequences' order
+                mm = _routed_linear(batch, per_sequence=True)
+            h = steps.add_rms_norm(x, mm(o, w.o), w.mlp_norm, eps)
             out = mm(steps.silu_mul(mm(h, w.gate_up)), w.down)
             if i + 1 < len(self.layers):
                 h = steps.add_rms_norm(x, out, self.layers[i + 1].attn_norm, eps)
@@ -387,18 +398,21 @@ class LlamaModel:
 SMALL_BATCH_ROWS = 64
 
 
-def _routed_linear(batch: ForwardBatch) -> Callable:
+def _routed_linear(batch: ForwardBatch, per_sequence: bool = False) -> Callable:
     """``_linear`` for a native model's batch: the rows of decode sequences (one new
     token) through the packed kernel, the rows of prefill and extend sequences through
     the dense path, so that a token's path, and its result, depend on its own sequence
     alone, never on what shares the batch. A mixed batch is one product where the matrix
-    gives every token the same bits on both paths (``_paths_agree``), two otherwise."""
+    gives every token the same bits on both paths (``_paths_agree``), two otherwise.
+    ``per_sequence``: for rows that are one per sequence (each one's last), in order."""
     lens = batch.qo_lens
     if all(n == 1 for n in lens):
         return lambda x, w, bias=None: _linear(x, w, bias, dense=False)
     if all(n > 1 for n in lens):
         return lambda x, w, bias=None: _linear(x, w, bias, dense=True)
-    decode = torch.tensor([n == 1 for n in lens]).repeat_interleave(torch.tensor(lens))
+    decode = torch.tensor([n == 1 for n in lens])
+    if not per_sequence:
+        decode = decode.repeat_interleave(torch.tensor(lens))
     rows, other = decode.nonzero().squeeze(1), (~decode).nonzero().squeeze(1)
 
     def split(x, w, bias=None):
