@@ -1559,13 +1559,7 @@ static void ptile(int kind, const uint8_t *panel, int64_t nb, int64_t cols, cons
 #undef PTILE8_Q40
 #undef PTILE8_Q41
 }
-#else
-static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float *y) {
-    (void)kind, (void)w, (void)r, (void)cols, (void)y;  /* never called: radixkv_panel_bytes refuses every matrix */
-}
-#endif
 
-#ifdef HAVE_PANELS
 /* panel c of y[n, rows] = W^T times the rounded activations xb (W stored as panels) */
 INLINE void stored_panel(const qmat *m, int64_t n, float *y, const xbuf *xb, int64_t c, float *lanes, float *out) {
     const int type = m->type & ~STORED;
@@ -1578,11 +1572,15 @@ INLINE void stored_panel(const qmat *m, int64_t n, float *y, const xbuf *xb, int
         for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
     }
 }
-#endif
 
 /* From this many tokens on a panel is a long job (tens of microseconds), and threads claim
  * panels one at a time as they come free */
 #define CLAIM_FROM (8 * TILE_MR)
+#else
+static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float *y) {
+    (void)kind, (void)w, (void)r, (void)cols, (void)y;  /* never called: radixkv_panel_bytes refuses every matrix */
+}
+#endif
 
 /* y[n, rows] = W^T times the rounded activations xb, W stored as panels (m->type carries
  * PANELS, or PANELS8 with act_max 127), any n: called by every thread of a parallel region

@@ -230,19 +230,17 @@ class LlamaModel:
             x = x * torch.tensor(cfg.embed_scale).to(x.dtype)
         head = _linear
         last = None if all_logits else (batch.qo_indptr[1:] - 1).long()  # the rows whose logits are read
-        if self._one_call_layers and all(n == 1 for n in batch.qo_lens):
+        if self._one_call_layers and all(n == 1 for n in batch.qo_lens):  # a row per sequence: all of them read
             x = self._native_decode_layers(x, batch, pool, backend, cos, sin)
             head = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
-        elif self._steps is not None:  # native on the CPU
+        elif self._steps is not None:  # native on the CPU: the layers return the rows read
             x = self._native_layers(x, batch, pool, backend, cos, sin, last)
             # every row: routed as the layers; a row per sequence: the kernel
             head = _routed_linear(batch) if all_logits else partial(_linear, dense=False)
-            last = None  # x holds those rows alone already
         else:
             local = self._rope(batch.positions, local=True) if cfg.local_rope_theta is not None else rope
             x = self._dense_layers(x, batch, pool, backend, rope, local)
-        if last is not None:
-            x = x[last]
+            x = x if last is None else x[last]
         logits = head(self._norm(x, self.norm), self.lm_head)
         if cfg.final_logit_softcap is not None:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
@@ -308,9 +306,9 @@ class LlamaModel:
             q, k, v = self._heads(qkv)
             pool.store_kv(i, k, v, batch.out_slots)
             o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i)).reshape(-1, hq * d)
-            if last is not None and i + 1 == len(self.layers) and len(last) < x.shape[0]:
+            if last is not None and i + 1 == len(self.layers):
                 o, x = o[last], x[last]  # copies: the rows read, in their sequences' order
-                mm = _routed_linear(batch, per_sequence=True)
+                mm = _routed_linear(batch, last)
             h = steps.add_rms_norm(x, mm(o, w.o), w.mlp_norm, eps)
             out = mm(steps.silu_mul(mm(h, w.gate_up)), w.down)
             if i + 1 < len(self.layers):
@@ -398,21 +396,20 @@ class LlamaModel:
 SMALL_BATCH_ROWS = 64
 
 
-def _routed_linear(batch: ForwardBatch, per_sequence: bool = False) -> Callable:
+def _routed_linear(batch: ForwardBatch, taken: torch.Tensor | None = None) -> Callable:
     """``_linear`` for a native model's batch: the rows of decode sequences (one new
     token) through the packed kernel, the rows of prefill and extend sequences through
     the dense path, so that a token's path, and its result, depend on its own sequence
     alone, never on what shares the batch. A mixed batch is one product where the matrix
     gives every token the same bits on both paths (``_paths_agree``), two otherwise.
-    ``per_sequence``: for rows that are one per sequence (each one's last), in order."""
+    ``taken``: the batch's rows the products take (indices, in order), else all of them."""
     lens = batch.qo_lens
     if all(n == 1 for n in lens):
         return lambda x, w, bias=None: _linear(x, w, bias, dense=False)
     if all(n > 1 for n in lens):
         return lambda x, w, bias=None: _linear(x, w, bias, dense=True)
-    decode = torch.tensor([n == 1 for n in lens])
-    if not per_sequence:
-        decode = decode.repeat_interleave(torch.tensor(lens))
+    decode = torch.tensor([n == 1 for n in lens]).repeat_interleave(torch.tensor(lens))
+    decode = decode if taken is None else decode[taken]
     rows, other = decode.nonzero().squeeze(1), (~decode).nonzero().squeeze(1)
 
     def split(x, w, bias=None):
