@@ -97,6 +97,27 @@ def test_second_turn_reuses_the_whole_first_turn(engine):
     assert second.prompt_tokens == len(p1) + len(first.token_ids) + len(follow)
 
 
+def test_a_cached_prefix_that_ends_inside_a_page_is_taken_from_that_page(engine):
+    """The cached pages' tokens a prompt shares need not end at a page: those of the page
+    where they end are copied into the request's own page (``partial_pages``), and the
+    tokens are those of the prompt computed with nothing cached."""
+    base = engine.tokenizer.encode(chats(engine)[3])
+    engine.generate(base, GREEDY)  # its whole pages enter the tree
+    cut = (len(base) // 16 - 1) * 16 + 9  # nine tokens into its last whole page
+    other = base[:cut] + engine.tokenizer.encode(" Reply in French, please.<|im_end|>\n<|im_start|>assistant\n")
+    assert other[cut] != base[cut]
+    warm = engine.generate(other, GREEDY)
+    assert warm.cached_tokens == cut
+    engine.check_integrity()
+    assert engine.flush_cache() is True
+    cold = engine.generate(other, GREEDY)
+    assert cold.cached_tokens == 0 and warm.token_ids == cold.token_ids
+    with make(partial_pages="off") as off:  # whole pages only
+        off.generate(base, GREEDY)
+        again = off.generate(other, GREEDY)
+        assert again.cached_tokens == cut // 16 * 16 and again.token_ids == cold.token_ids
+
+
 def test_seeded_sampling_is_reproducible_across_batches(engine):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=16, ignore_eos=True)
     alone = engine.generate(chats(engine)[1], params).token_ids
@@ -415,3 +436,16 @@ def test_warm_up_runs_a_chunk_and_leaves_nothing_behind(kv_dtype):
         stats = tiny.stats()
         assert stats["pool"]["free"] == stats["pool"]["pages"] == 3
         tiny.check_integrity()
+
+
+def test_partial_pages_setting_is_checked_and_resolved():
+    from radixkv.engine.engine import EngineConfig
+
+    assert EngineConfig().copies_partial_pages and EngineConfig(kv_dtype="int8").copies_partial_pages
+    assert not EngineConfig(kv_dtype="int4").copies_partial_pages  # its pages are sealed whole
+    assert not EngineConfig(enable_prefix_cache=False).copies_partial_pages
+    assert not EngineConfig(partial_pages="off").copies_partial_pages
+    with pytest.raises(ValueError, match="partial_pages must be one of auto, on, off, got 'yes'"):
+        EngineConfig(partial_pages="yes")
+    with pytest.raises(ValueError, match="partial_pages on .* kv_dtype int4"):
+        EngineConfig(partial_pages="on", kv_dtype="int4")

@@ -163,8 +163,13 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.kv = manager(12, loops=self.loops)
         self.shadow: dict[int, list] = {}  # page -> the token ids written into its slots
+        self.kv.pool.copy_rows = self._copy_rows  # admit's partial pages copy the shadow's rows
         self.running: list[tuple[SeqKV, list[int]]] = []
         self.seen = [[1, 2, 3, 4, 5, 6]]
+
+    def _copy_rows(self, src: int, dst: int, count: int) -> None:
+        assert self.kv.pool.refcount([dst])[0] == 1 and src != dst  # into a page the sequence alone owns
+        self.shadow.setdefault(dst, [None] * PS)[:count] = self.shadow[src][:count]
 
     def _written(self, seq: SeqKV, tokens, start: int, end: int) -> None:
         for pos in range(start, end):
@@ -298,3 +303,61 @@ def test_the_simulators_default_chunk_is_the_engines():
     from radixkv.engine.engine import EngineConfig
 
     assert sim.DEFAULT_CHUNK_SIZE == EngineConfig.chunked_prefill_size
+
+
+P4 = 4  # tokens a page here: room for a match three tokens into one
+
+
+class CopyingAllocator(PageAllocator):
+    """A page allocator whose pages hold token ids (one list per page), so that a test
+    sees what ``copy_rows`` moved."""
+
+    def __init__(self, num_pages):
+        super().__init__(num_pages)
+        self.rows: dict[int, list] = {}
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy_rows(self, src, dst, count):
+        self.copies.append((src, dst, count))
+        self.rows.setdefault(dst, [None] * P4)[:count] = self.rows[src][:count]
+
+
+def test_admit_copies_the_leading_rows_of_a_cached_page_where_the_match_ends_inside_it():
+    pool = CopyingAllocator(16)
+    kv = KVCacheManager(pool, RadixCache(pool, P4), P4)
+    first = list(range(1, 3 * P4 + 3))  # three whole pages and two tokens
+    a = SeqKV()
+    kv.admit(a, first)
+    run(kv, a, first, len(first), 64)
+    for i, page in enumerate(a.pages.tolist()):
+        pool.rows[page] = first[i * P4 : (i + 1) * P4]
+    kv.release(a, first)
+    donor = int(kv.tree.match_prefix(first[: 2 * P4], record_stats=False).pages[1])  # the page holding tokens 4..7
+    second = first[: P4 + 3] + [99, 98]  # the second page's first three tokens, then others
+    b = SeqKV()
+    assert kv.admit(b, second) == P4 + 3 and b.cached_tokens == P4 + 3 and b.published == P4
+    (own,) = b.pages[1:].tolist()
+    assert pool.copies == [(donor, own, 3)] and pool.rows[own][:3] == first[P4 : P4 + 3]
+    assert pool.refcount([own])[0] == 1 and own != donor  # the copy is the sequence's own page
+    kv.check([b])
+    assert kv.pages_needed(b, 1) == 0 and kv.pages_needed(b, 2) == 1  # token P4 + 3 fills that page
+    run(kv, b, second, len(second), 64)
+    kv.release(b, second)
+    kv.check([])
+    # a prompt that is a cached page's prefix computes its last two tokens (the last one alone would be a decode row)
+    c = SeqKV()
+    assert kv.admit(c, first[: P4 + 3]) == P4 + 1
+    kv.release(c, first[: P4 + 3])
+    # switched off, and for prompt logprobs (recomputed positions), admission stops at whole pages
+    third = first[: P4 + 2] + [77, 77, 77]
+    off = KVCacheManager(pool, kv.tree, P4, partial_pages=False)
+    d = SeqKV()
+    assert off.admit(d, third) == P4
+    off.release(d, third)
+    e = SeqKV()
+    assert kv.admit(e, third, recompute_from=len(third)) == P4
+    kv.release(e, third)
+    assert kv.admit(e, third) == P4 + 2
+    kv.release(e, third)
+    kv.check([])
+    assert kv.pool.num_free() + kv.tree.cached_pages == 16

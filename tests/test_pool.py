@@ -276,3 +276,30 @@ def test_int4_pool_with_an_odd_number_of_slots():
     back, _ = pool.read_kv(0, pool.slots(pages, 0, 15))
     assert (back - k).abs().max() < 0.5 * k.abs().max()
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
+def test_copy_rows_copies_a_pages_leading_slots_in_every_layer_and_nothing_else(kv_dtype):
+    cfg = PoolConfig(num_layers=2, num_kv_heads=3, head_dim=32, page_size=4, kv_dtype=kv_dtype, num_pages=3)
+    pool = KVPool(cfg)
+    src, dst = pool.alloc(2).tolist()
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        k, v = torch.randn(8, 3, 32, generator=g), torch.randn(8, 3, 32, generator=g)
+        pool.store_kv(layer, k, v, pool.slots([src, dst], 0, 8))
+    parts = pool.k + pool.v + (pool.k_params + pool.v_params if pool.k_params else [])  # per layer, and int8's scales
+    before = [t[dst].clone() for t in parts]
+    pool.copy_rows(src, dst, 3)
+    for t, old in zip(parts, before):
+        assert torch.equal(t[dst, :3].view(torch.uint8), t[src, :3].view(torch.uint8))  # the same bytes
+        assert torch.equal(t[dst, 3], old[3])  # slot 3 kept its own
+    assert not torch.equal(pool.k[0][dst, 3], pool.k[0][src, 3])
+    with pytest.raises(ValueError, match=r"count must be in \[1, 4\]"):
+        pool.copy_rows(src, dst, 5)
+
+
+def test_copy_rows_refuses_pages_sealed_whole():
+    pool = KVPool(PoolConfig(num_layers=1, num_kv_heads=1, head_dim=32, page_size=4, kv_dtype="int4", num_pages=2))
+    assert not pool.copies_rows
+    with pytest.raises(ValueError, match="seals whole pages"):
+        pool.copy_rows(0, 1, 2)

@@ -479,3 +479,26 @@ def test_a_request_holding_a_dropped_root_finishes_normally():
     a.decref(table)
     assert t.match_prefix([9, 9], "x").pages.tolist() == table.tolist()
     t.check_integrity(external_refs={})
+
+
+def test_partial_page_finds_the_edge_sharing_the_most_tokens_inside_a_page():
+    a, t = make(page_size=4)
+    put(t, [1, 2, 3, 4, 5, 6, 7, 8])  # pages 0, 1
+    put(t, [1, 2, 3, 4, 5, 6, 9, 9])  # splits after page 0: page 2 holds 5 6 9 9
+    put(t, [1, 2, 3, 4, 5, 0, 0, 0])  # page 3 holds 5 0 0 0
+    m = t.match_prefix([1, 2, 3, 4, 5, 6, 9, 1, 1])
+    assert m.num_tokens == 4
+    before = t.stats().hit_tokens
+    p = t.partial_page(m.node, [1, 2, 3, 4, 5, 6, 9, 1, 1])
+    assert (p.page, p.count) == (2, 3) and p.node.tokens() == [5, 6, 9, 9]
+    assert t.stats().hit_tokens == before + 3
+    assert t.partial_page(m.node, [1, 2, 3, 4, 5, 6, 9, 1, 1], limit=2).count == 2  # at most limit
+    assert t.partial_page(m.node, [1, 2, 3, 4, 5, 0], record_stats=False) == (3, 2, p.node.parent.children[
+        array("i", [5, 0, 0, 0]).tobytes()])  # fmt: skip
+    assert t.partial_page(m.node, [1, 2, 3, 4, 7, 6]) is None  # no edge begins with 7
+    assert t.partial_page(m.node, [1, 2, 3, 4]) is None  # nothing follows the match
+    # a whole page would have matched: at most page_size - 1 tokens, even when a page's worth agrees
+    assert t.partial_page(m.node, [1, 2, 3, 4, 5, 6, 9, 9, 1]).count == 3
+    assert t.partial_page(t.root(), [7, 7]) is None and t.partial_page(t.root("other"), [1]) is None
+    assert t.partial_page(t.root(), [1, 2, 3, 9]).count == 3 and t.partial_page(t.root(), [1, 2, 3, 9]).page == 0
+    t.check_integrity(external_refs={})

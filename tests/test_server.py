@@ -167,7 +167,7 @@ def test_repeated_prefix_reports_cached_tokens(client):
                                             **GREEDY)  # fmt: skip
     assert first.usage.prompt_tokens > 64
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached % 16 == 0 and 64 <= cached < second.usage.prompt_tokens
+    assert 64 <= cached < second.usage.prompt_tokens  # up to where the messages differ, inside a page or not
 
 
 def test_async_client_concurrent_requests(server, client):

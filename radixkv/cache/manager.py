@@ -19,7 +19,9 @@ sequence's reference to the tree (``insert(adopt=True)``).
 Life of a sequence:
 
     admit    match tokens[:-1] in the tree, lock the match (its pages become the
-             first entries of the page table)
+             first entries of the page table); where the match ends inside a cached
+             page, copy that page's shared leading tokens into an own page
+             (``partial_pages``; the tree shares whole pages only)
     reserve  grow the page table for the next chunk (evict first; else the caller's
              make_room frees memory, e.g. by preempting; else refuse)
     (the caller computes KV and calls ``computed``)
@@ -43,7 +45,7 @@ under the view's namespace; its table then holds fewer KV entries than it has to
     pages    |== view's kept pages ==|== the view namespace's (tree) ==|== own ==|
 
 The last prompt token is never matched: its logits are needed to sample the first
-output token. With ``recompute_from`` (prompt logprobs), prompt positions from there on
+output token (and a match inside a page leaves two tokens, see ``_copy_partial``). With ``recompute_from`` (prompt logprobs), prompt positions from there on
 are computed again, and only the pages before them are taken from the cache.
 """
 
@@ -143,7 +145,7 @@ class KVCacheManager:
 
     def __init__(self, pool: PageAllocator, tree: RadixCache | None, page_size: int, tiers=None,
                  rerotate: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-                 max_pinned_share: float = 0.5, events=None):  # fmt: skip
+                 max_pinned_share: float = 0.5, events=None, partial_pages: bool = True):  # fmt: skip
         if tree is not None and tree.page_size != page_size:
             raise ValueError(f"page_size {page_size} but the tree's pages hold {tree.page_size} tokens")
         if tiers is not None and tree is None:
@@ -167,6 +169,8 @@ class KVCacheManager:
         # pins, TTLs, hints and sessions (radixkv.cache.pins): entries that hold tree locks
         self.max_pinned_share = check_float("max_pinned_share", max_pinned_share, 0.0, 1.0)
         self.pinned = PinRegistry()
+        # a match that ends inside a page: copy the cached page's leading rows (admit)
+        self.partial_pages = partial_pages and pool.copies_rows
 
     # -- queries -------------------------------------------------------------------------
 
@@ -227,9 +231,41 @@ class KVCacheManager:
         if node is not None:
             self.tree.lock(node)
         self._set(seq, pages, node, len(pages) * self.page_size)
+        if recompute_from is None and self.partial_pages:
+            self._copy_partial(seq, tokens, first)
         if first:
             seq.cached_tokens = seq.computed
         return seq.computed
+
+    def _copy_partial(self, seq: SeqKV, tokens, record_stats: bool) -> None:
+        """After ``admit``'s whole pages: when the tokens that follow them begin a cached
+        page (the edge below the match that shares the most of them,
+        ``RadixCache.partial_page``), copy those tokens' KV into the sequence's next page,
+        its own, so that it computes only the rest of the page:
+
+            tokens  |== tree's pages (locked) ==|== copied ==|== computed ... |
+            pages   |== tree's ==|              |== own page: rows copied, then its own ==|
+
+        The tree's page stays the tree's (shared pages are whole pages, never a part of
+        one). A page is needed for those tokens anyway; when none is free and no unlocked
+        one can be evicted, nothing is copied (``reserve`` makes room later). At least two
+        tokens are left to compute: a sequence with one new token is a decode row to the
+        model (whose products and attention then take the decode path, another order of
+        float steps than a prefill's), and a prompt's last token should be computed as a
+        prefill computes it, cached or not. Mutates the pool (one page), ``seq.pages`` and
+        ``seq.computed``, the edge's access time and (``record_stats``) the tree's hit
+        count."""
+        limit = self.reusable_tokens(tokens) - seq.computed - 1
+        if limit <= 0 or (not self.pool.num_free() and not self._evict(1)):
+            return
+        node = seq.node if seq.node is not None else self.tree.root(seq.namespace)
+        part = self.tree.partial_page(node, tokens, limit, record_stats)
+        if part is None:
+            return
+        own = self.pool.alloc(1)
+        self.pool.copy_rows(part.page, int(own[0]), part.count)
+        seq.pages = np.concatenate([seq.pages, own])
+        seq.computed += part.count
 
     def reserve(self, seq: SeqKV, count: int, make_room: Callable[[], bool] | None = None) -> bool:
         """Grow ``seq``'s page table with own pages to hold ``count`` more tokens. When

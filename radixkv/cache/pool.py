@@ -156,6 +156,12 @@ class PageAllocator:
     def write_pages(self, pages: PageIds, data: np.ndarray) -> None:
         """Put ``read_pages``' bytes into ``pages``: nothing to put here."""
 
+    copies_rows = True  # copy_rows works (a KVPool of a paged format's cannot: its pages seal whole)
+
+    def copy_rows(self, src: int, dst: int, count: int) -> None:
+        """Copy the KV of the first ``count`` token slots of page ``src`` into page
+        ``dst`` (owned by the caller): nothing to copy here."""
+
     def num_free(self) -> int:
         """Pages on the free stack. Does not mutate."""
         return self._top
@@ -384,6 +390,7 @@ class KVPool(PageAllocator):
             self.k_params = [_zeros(k_params, fmt.scale_dtype, device) for _ in layers]
             self.v_params = [_zeros(params, fmt.scale_dtype, device) for _ in layers]
         self.sealer = Sealer(self) if fmt.paged else None
+        self.copies_rows = self.sealer is None
         self.commit_seconds: float | None = None  # how long committing the pages took (config.commit on the CPU)
         if config.commit and torch.device(device).type == "cpu":
             self._commit()
@@ -498,6 +505,19 @@ class KVPool(PageAllocator):
             at += w
         if self.sealer is not None:
             self.sealer.sealed[idx] = True
+
+    def copy_rows(self, src: int, dst: int, count: int) -> None:
+        """Copy the KV (every layer's K and V and their parameters) of the first
+        ``count`` token slots of page ``src`` into page ``dst`` (owned by the caller,
+        e.g. just allocated): the same bytes. Mutates ``dst`` only. Raises ValueError for
+        a paged format (``copies_rows`` False: its K parameters cover a page) or a count
+        outside ``1..page_size``."""
+        if not self.copies_rows:
+            raise ValueError(f"kv_dtype {self.format.name} seals whole pages: their rows cannot be copied apart")
+        if not 0 < count <= self.page_size:
+            raise ValueError(f"count must be in [1, {self.page_size}], got {count}")
+        for part in self._page_parts():
+            part[dst, :count] = part[src, :count]
 
     @property
     def identity(self) -> str:

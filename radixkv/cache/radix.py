@@ -40,9 +40,24 @@ from radixkv.errors import IntegrityError
 from radixkv.kernels import pages as page_loops
 
 _TOKEN = 4  # bytes per token in a key
+_FEW_EDGES = 8  # partial_page compares up to this many edges one by one, more at once
 _INT32_MAX = 2**31 - 1
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 _EMPTY_PAGES.flags.writeable = False
+
+
+def _common_units(key: bytes, pos: int, end: int, edge: bytes, unit: int) -> int:
+    """Leading units (``unit`` bytes each: a page, a token) that ``key[pos:end]`` shares
+    with ``edge``, given that the first one agrees (>= 1). Binary search of
+    ``startswith`` calls."""
+    lo, hi = 1, min(len(edge), end - pos) // unit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if key.startswith(edge[: mid * unit], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def token_key(tokens, field: str = "tokens") -> bytes:
@@ -142,6 +157,15 @@ class Match(NamedTuple):
 
     pages: PageIds
     num_tokens: int
+    node: Node
+
+
+class Partial(NamedTuple):
+    """Result of ``partial_page``: ``page``, the tree's page whose first ``count``
+    tokens continue the match; ``node``, the edge that begins with it."""
+
+    page: int
+    count: int
     node: Node
 
 
@@ -302,6 +326,49 @@ class RadixCache:
         else:
             pages = parts[0].copy() if parts else _EMPTY_PAGES
         return Match(pages, pos // _TOKEN, node)
+
+    def partial_page(self, node: Node, tokens, limit: int | None = None, record_stats: bool = True) -> Partial | None:
+        """The cached page that best continues a match inside a page: of the edges
+        below ``node`` (where ``match_prefix`` of ``tokens`` ended), the one whose first
+        page shares the most leading tokens with the ``tokens`` that follow the match, at
+        most ``limit`` of them (default: all that follow) and fewer than a page (a
+        whole page would have matched). None when no edge shares a token. The caller
+        copies those tokens' KV out of ``Partial.page`` (into a page of its own: the
+        tree's page is never shared part-way) before anything may evict it.
+
+            tokens  |== match (whole pages) ==|== count ==|...
+            edge                              |== count ==|differs ...  (page = its first)
+
+        Mutates: stamps the edge's access time, and (with ``record_stats``) adds
+        ``count`` to ``hit_tokens``. ``tokens`` must begin with ``node``'s path."""
+        if not node.children:
+            return None
+        key = tokens.tobytes() if type(tokens) is array and tokens.typecode == "i" else token_key(tokens)
+        start = (node.depth + node.num_tokens) * _TOKEN
+        stop = len(key) if limit is None else min(len(key), start + limit * _TOKEN)
+        width = self._width
+        rest = key[start : min(stop, start + width - _TOKEN)]  # under a page
+        if not rest:
+            return None
+        head = rest[:_TOKEN]
+        firsts = [first for first in node.children if first.startswith(head)]
+        if not firsts:
+            return None
+        if len(firsts) <= _FEW_EDGES:  # tokens shared, per edge: a binary search of startswith calls
+            shared = [_common_units(rest, 0, len(rest), first, _TOKEN) for first in firsts]
+            count = max(shared)
+            best = node.children[firsts[shared.index(count)]]
+        else:  # many (e.g. questions after one shared prefix): one comparison of every first page
+            n = len(rest) // _TOKEN
+            equal = np.frombuffer(b"".join(f[: len(rest)] for f in firsts), np.int32).reshape(-1, n) == np.frombuffer(
+                rest, np.int32)  # fmt: skip
+            shared = np.where(equal.all(1), n, equal.argmin(1))
+            at = int(shared.argmax())  # the first of the longest, as above
+            best, count = node.children[firsts[at]], int(shared[at])
+        best.last_access = self._tick
+        if record_stats:
+            self.hit_tokens += count
+        return Partial(int(best.pages[0]), count, best)
 
     def insert(self, tokens, pages, namespace=None, priority: int = 0, adopt: bool = False,
                generated_from: int | None = None) -> Inserted:  # fmt: skip
@@ -607,16 +674,8 @@ class RadixCache:
 
     def _common_pages(self, key: bytes, pos: int, end: int, edge: bytes) -> int:
         """Whole pages that ``key[pos:end]`` shares with the start of ``edge`` (>= 1,
-        since the first page matched through the children dict). Binary search."""
-        width = self._width
-        lo, hi = 1, min(len(edge), end - pos) // width
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if key.startswith(edge[: mid * width], pos):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        since the first page matched through the children dict)."""
+        return _common_units(key, pos, end, edge, self._width)
 
     def _split(self, child: Node, num_pages: int) -> Node:
         """Cut ``child``'s edge after ``num_pages`` pages; return the new upper node.

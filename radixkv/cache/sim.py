@@ -4,7 +4,8 @@ A request goes through the same ``KVCacheManager`` calls the engine's scheduler 
 for it, minus the model, so the simulator's cached tokens per request are the engine's
 (``tests/test_sim.py`` replays one trace through both):
 
-    admit (match prompt[:-1], lock) -> prefill chunks of at most ``chunk_size`` tokens:
+    admit (match prompt[:-1], lock; a page the match ends inside: its leading tokens) ->
+    prefill chunks of at most ``chunk_size`` tokens:
     reserve (evict; else finish the oldest request in flight) -> computed -> commit ->
     one decode step per output token but the last (its KV is never computed) ->
     (in flight) -> release (publish, unlock, free)
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from radixkv.cache.formats import kv_format
 from radixkv.cache.manager import KVCacheManager, SeqKV
 from radixkv.cache.policy import EvictionPolicy, make_policy
 from radixkv.cache.pool import PageAllocator
@@ -126,6 +128,7 @@ def replay(
     arrivals: bool = True,
     prefill_tok_s: float = DEFAULT_PREFILL_TOK_S,
     decode_tok_s: float = DEFAULT_DECODE_TOK_S,
+    partial_pages: bool = True,
 ) -> SimResult:
     """Replay ``trace`` with ``capacity_pages`` pages (None: unlimited), and with
     ``host_pages`` a host tier of that many pages below them, with ``store_pages`` a
@@ -143,7 +146,8 @@ def replay(
     With ``arrivals`` and a trace that has arrival times, requests run in arrival order
     and leave the flight when their modelled time is up (module docstring; the rates
     ``prefill_tok_s`` and ``decode_tok_s``). ``cached_per_request`` follows the trace's
-    own order either way.
+    own order either way. ``partial_pages``: a match may end inside a page, as the
+    engine's (``EngineConfig.partial_pages``; off for int4's sealed pages).
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
@@ -167,7 +171,7 @@ def replay(
         host = HostTier(host_pages, page_cost=1) if host_pages else None
         store = PageStore(MemoryStore(store_pages), {"sim": page_size}) if store_pages else None
         tiers = KVTiers(allocator, "sim", "sim", host, store, page_size=page_size)
-    kv = KVCacheManager(allocator, tree, page_size, tiers)
+    kv = KVCacheManager(allocator, tree, page_size, tiers, partial_pages=partial_pages)
     outputs = _outputs(trace)
     running: deque = deque()  # untimed: (seq, tokens) in flight, oldest first
     flight: list = []  # timed: a heap of (finish time, index, seq, tokens)
@@ -553,9 +557,9 @@ def warnings_for(trace: list[TraceRequest], page_size: int, runs: list[dict] = (
         out.append("the trace has one request: there is nothing earlier to share, so every hit rate is 0")
     short = sum(len(r.tokens) <= page_size for r in trace)
     if short:
-        out.append(f"{short} of {len(trace)} prompts are no longer than a page ({page_size} tokens): only whole pages "
-                   f"are shared and a prompt's last token is always computed, so they can never hit (try a smaller "
-                   f"--page-size)")  # fmt: skip
+        out.append(f"{short} of {len(trace)} prompts are no longer than a page ({page_size} tokens): the tree "
+                   f"shares whole pages, so they can hit only what a cached page's leading tokens share with them, "
+                   f"all but their last two tokens at most (try a smaller --page-size)")  # fmt: skip
     longest = max(ceil_div(len(r.tokens) + r.num_output, page_size) for r in trace)
     for r in runs:
         if r.get("rejected"):
@@ -628,8 +632,9 @@ def what_if(trace: list[TraceRequest], configs: list[WhatIf], prefill_tok_s: flo
     ``prefill_tok_s`` (``est_prefill_s_saved``, ``est_prefill_s``)."""
     out = []
     for c in configs:
+        partial = c.kv_dtype is None or not kv_format(c.kv_dtype).paged  # the engine copies no sealed page's rows
         result = replay(trace, c.capacity_pages, c.page_size, c.policy, c.in_flight, c.chunk_size, c.host_pages,
-                        c.store_pages, arrivals, prefill_tok_s, decode_tok_s)  # fmt: skip
+                        c.store_pages, arrivals, prefill_tok_s, decode_tok_s, partial)  # fmt: skip
         row = {**asdict(c), **run_dict(trace, result), "unlimited": c.capacity_pages is None}
         row["prefill_tokens_saved"] = saved = row["cached_tokens"]
         row["prefill_tokens"] = row["prompt_tokens"] - saved

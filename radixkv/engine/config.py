@@ -18,6 +18,7 @@ from radixkv.validate import check_float, check_int, check_optional_int
 WEIGHTS = ("auto", "native", "fp32", "bf16", "fp16")
 DEFAULT_KV_MEMORY_SHARE = 0.25  # of the memory available after loading: the KV pool when no size is given
 MAX_KV_MEMORY_SHARE = 0.95
+PARTIAL_PAGES = ("auto", "on", "off")  # EngineConfig.partial_pages
 KV_COMMIT = ("auto", "upfront", "lazy")  # when the CPU pool's memory is committed: EngineConfig.kv_commit
 DENSE_WEIGHTS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -61,6 +62,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     policy: str = "lru"
     enable_prefix_cache: bool = True
+    # a prefix match that ends inside a page takes the cached page's leading rows too (copied
+    # into the request's own page; radixkv.cache.manager): auto (default) where it can, i.e.
+    # tp 1 and a format whose rows copy apart (not int4's sealed pages); on requires that; off
+    partial_pages: str = "auto"
     chunked_prefill_size: int | None = 512
     max_batch_tokens: int = 2048
     max_running: int = 64
@@ -86,6 +91,13 @@ class EngineConfig:
     # tensor parallelism (radixkv.model.tp): ranks the model's heads and MLP are split across
     # (gloo on the CPU, NCCL on CUDA); must divide the model's query and KV heads
     tp: int = 1
+
+    @property
+    def copies_partial_pages(self) -> bool:
+        """Whether a match may end inside a page (``partial_pages``, auto resolved)."""
+        if self.partial_pages == "auto":
+            return self.enable_prefix_cache and self.tp == 1 and not self.kv_format.paged
+        return self.partial_pages == "on"
 
     @property
     def kv_share(self) -> float | None:
@@ -142,6 +154,12 @@ class EngineConfig:
             if self.kv_format.paged:
                 raise ValueError(f"tp > 1 does not support kv_dtype {self.kv_format.name} yet (a paged format's "
                                  "sealing follows the allocator, which only rank 0 has)")  # fmt: skip
+        if self.partial_pages not in PARTIAL_PAGES:
+            raise ValueError(f"partial_pages must be one of {', '.join(PARTIAL_PAGES)}, got {self.partial_pages!r}")
+        if self.partial_pages == "on" and (self.tp > 1 or self.kv_format.paged or not self.enable_prefix_cache):
+            raise ValueError("partial_pages on copies rows of cached pages outside the forward: it needs the prefix "
+                             f"cache, tp 1 and a kv_dtype whose pages are not sealed whole (got tp={self.tp}, "
+                             f"kv_dtype {self.kv_format.name}, enable_prefix_cache {self.enable_prefix_cache})")
         check_endpoint("kv_events", self.kv_events)
         check_endpoint("kv_events_replay", self.kv_events_replay)
         check_int("kv_events_buffer", self.kv_events_buffer, 1)

@@ -102,7 +102,7 @@ class EngineLoop:
         # KV events for routers: the recorder follows the tree and tiers, the publisher sends a batch a step
         self.events = KVEventRecorder(cfg.page_size) if cfg.kv_events is not None else None
         self.kv = KVCacheManager(self.pool, self.tree, cfg.page_size, self.tiers, self._rerotate, cfg.max_pinned_share,
-                                 self.events)  # fmt: skip
+                                 self.events, cfg.copies_partial_pages)  # fmt: skip
         self.publisher = None
         if cfg.kv_events is not None:
             self.publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic,

@@ -14,7 +14,7 @@ import time
 
 from radixkv.cache.formats import FORMATS
 from radixkv.cache.tiers import WRITE_POLICIES
-from radixkv.engine.config import KV_COMMIT, WEIGHTS
+from radixkv.engine.config import KV_COMMIT, PARTIAL_PAGES, WEIGHTS
 from radixkv.engine.engine import EngineConfig
 from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
@@ -70,6 +70,9 @@ HELP = {
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority, cost (cost-aware, learned online)",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
+    "partial_pages": "a cached prefix that ends inside a page: copy that page's leading tokens' KV into the "
+                     "request's own page instead of computing them; auto (default): with the prefix cache at "
+                     "--tp 1 and a --kv-dtype other than int4's (its pages are sealed whole); on requires that",
     "chunked_prefill_size": "longest prefill chunk in tokens; 0 prefills whole prompts",
     "max_batch_tokens": "token budget of one engine step (prefill chunks + decodes)",
     "max_running": "most requests in the running batch",
@@ -105,7 +108,7 @@ HELP = {
                               "(replacing an older FILE.1) and a new FILE begins; default unbounded",
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
-           "weights": WEIGHTS, "kv_commit": KV_COMMIT,
+           "weights": WEIGHTS, "kv_commit": KV_COMMIT, "partial_pages": PARTIAL_PAGES,
            "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
