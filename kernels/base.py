@@ -80,6 +80,15 @@ class AttentionBackend:
         layer's attention probabilities to ``mass`` (see the class docstring)."""
         raise NotImplementedError
 
+    def forward_rows(self, q, k, v, kv, scale: float, rows: torch.Tensor, sliding_window: int | None = None,
+                     logit_softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+        """``forward``'s output for the query rows ``rows`` alone (``[len(rows), Hq, D]``),
+        where ``rows`` holds each sequence's last new token, in the batch's order (what a
+        model reads past its last layer). Adds to ``mass`` as ``forward`` does. Here:
+        ``forward`` over every row, then those; a backend may attend the rows alone,
+        with the bits ``forward`` gives them."""
+        return self.forward(q, k, v, kv, scale, sliding_window, logit_softcap)[rows]
+
     def decode_kernel(self, kv) -> tuple[int, ...] | None:
         """A C kernel a model may call itself for this plan's decode attention over ``kv``
         (a layer's view), as ``CpuBackend`` offers one; None here: call ``forward``."""

@@ -117,6 +117,7 @@ class CpuBackend(TorchBackend):
             self._kv_indices = batch.kv_indices.cpu().to(torch.int32).contiguous()
         if rows:  # host int tensors for the kernel: each decode sequence's query row, page table start, length
             idx = torch.tensor(rows, dtype=torch.int64)
+            self._dec_seq = idx  # forward_rows: a decode sequence's row among one row per sequence
             self._q_rows = batch.qo_indptr.cpu().to(torch.int64)[idx + 1] - 1
             self._kv_starts = batch.kv_indptr.cpu().to(torch.int32)[idx].contiguous()
             self._decode_lens = torch.tensor([batch.seq_lens[i] for i in rows], dtype=torch.int32)
@@ -130,6 +131,7 @@ class CpuBackend(TorchBackend):
             self._ext_n = torch.tensor([batch.qo_lens[i] for i in ext], dtype=torch.int32)
             self._ext_kv = batch.kv_indptr.cpu().to(torch.int32)[idx].contiguous()
             self._ext_len = torch.tensor([batch.seq_lens[i] for i in ext], dtype=torch.int32)
+            self._ext_seq, self._ext_one = idx, torch.ones(len(ext), dtype=torch.int32)  # forward_rows: last rows
 
     def decode_kernel(self, kv) -> tuple[int, int, int, int, int, int] | None:
         """For a model that runs a whole decode step in C (``radixkv_native_decode``): the
@@ -197,6 +199,35 @@ class CpuBackend(TorchBackend):
             sliding_window or 0, logit_softcap or 0.0, kv_format,
         )  # fmt: skip
         if status != 0:
+            raise MemoryError("cpu decode attention could not allocate its scratch buffers")
+        return out
+
+
+    def forward_rows(self, q, k, v, kv, scale, rows, sliding_window=None, logit_softcap=None):
+        """Each sequence's last row alone through the kernels, when every sequence goes to
+        one (decode rows to the decode kernel, prefills and extends to the extend kernel, as
+        one new token that sees its whole context) over float pages and none is observed:
+        each kernel gives a row the same bits whatever else it computes (the extend kernel
+        sums over the same blocks of positions in the same order per row). Else every row
+        (``AttentionBackend.forward_rows``)."""
+        kv_format = _kernel_format(q, kv)
+        if (kv_format not in _FLOAT_PAGES or self.mass or logit_softcap is not None or q.shape[2] % 32
+                or q.shape[1] % kv.k.shape[2] or len(self.decode_rows) + len(self.extends) < len(self.qo_lens)):
+            return super().forward_rows(q, k, v, kv, scale, rows, sliding_window, logit_softcap)  # fmt: skip
+        q = q[rows].contiguous()  # row i: sequence i's last
+        out = torch.empty_like(q)
+        hq, hkv, d, page_size = q.shape[1], kv.k.shape[2], q.shape[2], kv.k.shape[1]
+        if self.extends and self._lib.radixkv_paged_extend(
+            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), self._ext_seq.data_ptr(), self._ext_one.data_ptr(),
+            self._ext_kv.data_ptr(), self._kv_indices.data_ptr(), self._ext_len.data_ptr(), out.data_ptr(),
+            len(self.extends), hq, hkv, d, page_size, scale, sliding_window or 0, kv_format,
+        ) != 0:  # fmt: skip
+            raise MemoryError("cpu extend attention could not allocate its buffers")
+        if self.decode_rows and self._lib.radixkv_paged_decode(
+            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, self._dec_seq.data_ptr(),
+            self._kv_starts.data_ptr(), self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(),
+            0, 0, len(self.decode_rows), hq, hkv, d, page_size, scale, sliding_window or 0, 0.0, kv_format,
+        ) != 0:  # fmt: skip
             raise MemoryError("cpu decode attention could not allocate its scratch buffers")
         return out
 

@@ -428,10 +428,15 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
 
 def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(native, monkeypatch):
     """Every new token's K/V is written in every layer, but only a sequence's last row is
-    read past the last layer: its output projection and MLP take those rows alone (a decode
-    row, an extend's last, a prefill's last), and the logits are the bits every row's
-    forward gives those rows; the pool's pages are the same too."""
+    read past the last layer: its attention (the CPU kernels), output projection and MLP
+    take those rows alone (a decode row, an extend's last, a prefill's last), and the
+    logits are the bits every row's forward gives those rows; the pool's pages are the
+    same too."""
     c = native.config
+    backend = get_backend("cpu")
+    attended = []  # rows of each attention call
+    monkeypatch.setattr(type(backend), "forward", lambda self, q, *a, f=type(backend).forward, **kw:
+                        attended.append(len(q)) or f(self, q, *a, **kw))  # fmt: skip
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (40, 70, 33)]
 
@@ -439,24 +444,27 @@ def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(
         pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=32))
         tables = [pool.alloc(5) for _ in prompts]
         cached = [SeqInput(prompts[0][:-1], 0, tables[0]), SeqInput(prompts[1][:30], 0, tables[1])]
-        native.forward(ForwardBatch.build(cached, 16), pool)
+        native.forward(ForwardBatch.build(cached, 16), pool, backend)
         seqs = [SeqInput(prompts[0][-1:], 39, tables[0]), SeqInput(prompts[1][30:], 30, tables[1]),
                 SeqInput(prompts[2], 0, tables[2])]  # a decode row, an extend, a prefill
         batch = ForwardBatch.build(seqs, 16)
         calls.clear()
-        logits = native.forward(batch, pool, all_logits=all_rows)
+        attended.clear()
+        logits = native.forward(batch, pool, backend, all_logits=all_rows)
         kv = pool.read_pages(np.concatenate(tables))
         pool.decref(np.concatenate(tables))
         pool.check_integrity()
-        return (logits[(batch.qo_indptr[1:] - 1).long()] if all_rows else logits), kv, list(calls)
+        return (logits[(batch.qo_indptr[1:] - 1).long()] if all_rows else logits), kv, list(calls), list(attended)
 
     calls = []
     monkeypatch.setattr(weights.PackedMatrix, "linear", lambda self, x, threads=None, dense=None,
                         f=weights.PackedMatrix.linear: calls.append(len(x)) or f(self, x, threads, dense))  # fmt: skip
-    read, kv_read, calls_read = run(False)
-    every, kv_every, calls_every = run(True)
+    read, kv_read, calls_read, attended_read = run(False)
+    every, kv_every, calls_every, attended_every = run(True)
     assert torch.equal(read, every) and np.array_equal(kv_read, kv_every)
     rows = 1 + 40 + 33
+    assert attended_every == [rows] * c.num_layers
+    assert attended_read == [rows] * (c.num_layers - 1)  # the last layer's three rows: forward_rows, in the kernels
     assert calls_every[: 4 * c.num_layers] == [rows] * (4 * c.num_layers)
     assert calls_read == [rows] * (4 * c.num_layers - 3) + [3, 3, 3] + [3]  # the last o, gate_up, down; the head
 

@@ -305,10 +305,12 @@ class LlamaModel:
             steps.rope_(qkv, hq + hkv, d, cos, sin)  # q and k, in place (partial rotary: the leading rot dims)
             q, k, v = self._heads(qkv)
             pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i)).reshape(-1, hq * d)
-            if last is not None and i + 1 == len(self.layers):
-                o, x = o[last], x[last]  # copies: the rows read, in their sequences' order
+            if last is not None and i + 1 == len(self.layers):  # past here only the rows read, in order
+                o = backend.forward_rows(q, k, v, pool.view(i), cfg.attn_scale, last, cfg.window(i)).reshape(-1, hq * d)
+                x = x[last]  # a copy
                 mm = _routed_linear(batch, last)
+            else:
+                o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i)).reshape(-1, hq * d)
             h = steps.add_rms_norm(x, mm(o, w.o), w.mlp_norm, eps)
             out = mm(steps.silu_mul(mm(h, w.gate_up)), w.down)
             if i + 1 < len(self.layers):
