@@ -1212,6 +1212,26 @@ INLINE void score_tile_nv(const float *qT, int64_t rs, const float *const *kp, i
     }
 }
 
+/* qT[e][r0 + i] = rows[i][e] * scale for 8 rows (a row NULL: zeros) and every dim e < d (a
+ * multiple of 8), row stride rs: 8 x 8 transposes, the same products as one at a time */
+INLINE void queries_t8(const float *const rows[8], int64_t d, float scale, float *qT, int64_t rs) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t e = 0; e < d; e += 8) {
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; i++) r[i] = rows[i] ? _mm256_mul_ps(_mm256_loadu_ps(rows[i] + e), sc) : _mm256_setzero_ps();
+        for (int i = 0; i < 8; i += 2)
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        for (int i = 0; i < 8; i += 4) {
+            r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+            r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        for (int i = 0; i < 4; i++) {  /* r[0..3]: dims (0, 1, 2, 3) of rows 0-3 | 4-7 in lanes, as do r[4..7] for rows 4-7 */
+            _mm256_store_ps(qT + (e + i) * rs, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+            _mm256_store_ps(qT + (e + i + 4) * rs, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+        }
+    }
+}
+
 /* the EK positions of a block against 8 nv rows: tiles of 6, 6 and 4 positions */
 INLINE void score_block(const float *qT, int64_t rs, const float *const *kp, int64_t d, const int nv, float *sT) {
     score_tile_nv(qT, rs, kp, d, nv, 6, sT);
@@ -1445,12 +1465,18 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                 const int64_t RS = (R + 15) / 16 * 16; /* rows padded to whole score tiles: qT's and sT's row stride */
                 /* local row r is row c0 + r of the sequence: token (c0 + r) / G, head h * G + (c0 + r) % G */
                 const int32_t *pages = kv_indices + kv_starts[i];
+                if (!bfp)  /* the rows' queries, scaled, transposed 8 rows at a time (padding rows zero) */
+                    for (int64_t r = 0; r < RS; r += 8) {
+                        const float *rows[8];
+                        for (int u = 0; u < 8; u++)
+                            rows[u] = r + u < R ? q + ((q_start[i] + (c0 + r + u) / G) * hq + h * G + (c0 + r + u) % G) * d
+                                                : NULL;
+                        queries_t8(rows, d, scale, qT + r, RS);
+                    }
                 for (int64_t r = 0; r < RS; r++) {
                     if (r < R) {
-                        const float *src = q + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
-                        if (!bfp)
-                            for (int64_t e = 0; e < d; e++) qT[e * RS + r] = src[e] * scale;
 #if BF16_PRODUCTS
+                        const float *src = q + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
                         if (bfp)
                             for (int64_t e = 0; e < d; e += 16) {  /* (q_e, q_e+1) pairs, rounded */
                                 const __m256i c = (__m256i)_mm512_cvtneps_pbh(
@@ -1465,8 +1491,6 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     } else {  /* padding: zero queries that see every position (their results are dropped) */
                         if (bfp)
                             for (int64_t e = 0; e < d; e += 2) qP[e / 2 * RS + r] = 0;
-                        else
-                            for (int64_t e = 0; e < d; e++) qT[e * RS + r] = 0.0f;
                         lastp[r] = INT32_MAX, firstp[r] = firstp[R - 1];  /* the groups' windows still rise */
                     }
                     m[r] = -INFINITY, l[r] = 0.0f;
