@@ -148,10 +148,8 @@ class CpuBackend(TorchBackend):
                 self._decode_lens.data_ptr(), kv_format)  # fmt: skip
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
-        k_cache, v_cache = kv.k, kv.v
         kv_format = _kernel_format(q, kv) if self.decode_rows or self.extends else None
-        extends = (self.extends if kv_format in _FLOAT_PAGES and logit_softcap is None and q.shape[2] % 32 == 0
-                   and q.shape[1] % k_cache.shape[2] == 0 else frozenset())  # fmt: skip
+        extends = self.extends if self._extend_reads(q, kv, kv_format, logit_softcap) else frozenset()
         if kv_format is None or not (self.decode_rows or extends):
             return super().forward(q, k, v, kv, scale, sliding_window, logit_softcap)
         # by address, 0 where the format has none: parameters, int8's scale table, the row map,
@@ -177,13 +175,8 @@ class CpuBackend(TorchBackend):
             else:
                 k, v = stored_as(k, kv, "k"), stored_as(v, kv, "v")  # the new tokens as the pool stored them
                 self.attend_sequences(q, k, v, kv, scale, sliding_window, logit_softcap, out, skip=in_kernels)
-        if extends and self._lib.radixkv_paged_extend(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self._ext_q.data_ptr(), self._ext_n.data_ptr(),
-            self._ext_kv.data_ptr(), self._kv_indices.data_ptr(), self._ext_len.data_ptr(), out.data_ptr(),
-            len(extends), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, sliding_window or 0,
-            kv_format,
-        ) != 0:  # fmt: skip
-            raise MemoryError("cpu extend attention could not allocate its buffers")
+        if extends:
+            self._run_extend(q, kv, out, self._ext_q, self._ext_n, scale, sliding_window, kv_format)
         if self.mass:  # the observed sequences the decode kernel does not do
             self._observe(q, k, kv, scale, sliding_window, logit_softcap, skip=self._kernel_observed)
         if not self.decode_rows:
@@ -191,17 +184,9 @@ class CpuBackend(TorchBackend):
         mass, mass_at = 0, 0
         if self._mass_at is not None:  # mass's tensors view one flat tensor, which starts at the first's start
             mass, mass_at = self.mass[0].data_ptr(), self._mass_at.data_ptr()
-        status = self._lib.radixkv_paged_decode(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_params, v_params, scales, basis, k_new, v_new,
-            stage_k, stage_v, stage_of, self._q_rows.data_ptr(), self._kv_starts.data_ptr(),
-            self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(), mass, mass_at,
-            len(self.decode_rows), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
-            sliding_window or 0, logit_softcap or 0.0, kv_format,
-        )  # fmt: skip
-        if status != 0:
-            raise MemoryError("cpu decode attention could not allocate its scratch buffers")
+        self._run_decode(q, kv, out, self._q_rows, scale, sliding_window, logit_softcap, kv_format,
+                     (k_params, v_params, scales, basis, k_new, v_new, stage_k, stage_v, stage_of), mass, mass_at)
         return out
-
 
     def forward_rows(self, q, k, v, kv, scale, rows, sliding_window=None, logit_softcap=None):
         """Each sequence's last row alone through the kernels, when every sequence goes to
@@ -211,25 +196,48 @@ class CpuBackend(TorchBackend):
         sums over the same blocks of positions in the same order per row). Else every row
         (``AttentionBackend.forward_rows``)."""
         kv_format = _kernel_format(q, kv)
-        if (kv_format not in _FLOAT_PAGES or self.mass or logit_softcap is not None or q.shape[2] % 32
-                or q.shape[1] % kv.k.shape[2] or len(self.decode_rows) + len(self.extends) < len(self.qo_lens)):
+        if (self.mass or len(self.decode_rows) + len(self.extends) < len(self.qo_lens)
+                or not self._extend_reads(q, kv, kv_format, logit_softcap)):
             return super().forward_rows(q, k, v, kv, scale, rows, sliding_window, logit_softcap)  # fmt: skip
         q = q[rows].contiguous()  # row i: sequence i's last
         out = torch.empty_like(q)
-        hq, hkv, d, page_size = q.shape[1], kv.k.shape[2], q.shape[2], kv.k.shape[1]
-        if self.extends and self._lib.radixkv_paged_extend(
-            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), self._ext_seq.data_ptr(), self._ext_one.data_ptr(),
+        if self.extends:
+            self._run_extend(q, kv, out, self._ext_seq, self._ext_one, scale, sliding_window, kv_format)
+        if self.decode_rows:
+            self._run_decode(q, kv, out, self._dec_seq, scale, sliding_window, None, kv_format)
+        return out
+
+    @staticmethod
+    def _extend_reads(q, kv, kv_format, logit_softcap) -> bool:
+        """Whether the extend kernel can attend ``q`` over ``kv``: float pages, no
+        soft-cap, head size a multiple of 32, whole query groups per KV head."""
+        return (kv_format in _FLOAT_PAGES and logit_softcap is None and q.shape[2] % 32 == 0
+                and q.shape[1] % kv.k.shape[2] == 0)  # fmt: skip
+
+    def _run_extend(self, q, kv, out, q_start, n_new, scale, sliding_window, kv_format) -> None:
+        """The extend kernel over this plan's extends: sequence i's queries are ``n_new[i]``
+        rows of ``q`` from ``q_start[i]``, its results the same rows of ``out``."""
+        if self._lib.radixkv_paged_extend(
+            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), q_start.data_ptr(), n_new.data_ptr(),
             self._ext_kv.data_ptr(), self._kv_indices.data_ptr(), self._ext_len.data_ptr(), out.data_ptr(),
-            len(self.extends), hq, hkv, d, page_size, scale, sliding_window or 0, kv_format,
+            len(self.extends), q.shape[1], kv.k.shape[2], q.shape[2], kv.k.shape[1], scale, sliding_window or 0,
+            kv_format,
         ) != 0:  # fmt: skip
             raise MemoryError("cpu extend attention could not allocate its buffers")
-        if self.decode_rows and self._lib.radixkv_paged_decode(
-            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, self._dec_seq.data_ptr(),
-            self._kv_starts.data_ptr(), self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(),
-            0, 0, len(self.decode_rows), hq, hkv, d, page_size, scale, sliding_window or 0, 0.0, kv_format,
+
+    def _run_decode(self, q, kv, out, q_rows, scale, sliding_window, logit_softcap, kv_format, extras=(0,) * 9,
+                mass=0, mass_at=0) -> None:  # fmt: skip
+        """The decode kernel over this plan's decode rows: row ``q_rows[i]`` of ``q`` and
+        ``out``; ``extras``: the addresses of a quantized format's parameters, scale
+        table, row map and int4's own-page rows (0 where none), ``mass``, ``mass_at``:
+        observed rows' mass (see ``forward``)."""
+        if self._lib.radixkv_paged_decode(
+            q.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(), *extras, q_rows.data_ptr(), self._kv_starts.data_ptr(),
+            self._kv_indices.data_ptr(), self._decode_lens.data_ptr(), out.data_ptr(), mass, mass_at,
+            len(self.decode_rows), q.shape[1], kv.k.shape[2], q.shape[2], kv.k.shape[1], scale,
+            sliding_window or 0, logit_softcap or 0.0, kv_format,
         ) != 0:  # fmt: skip
             raise MemoryError("cpu decode attention could not allocate its scratch buffers")
-        return out
 
 
 def _kernel_format(q: torch.Tensor, kv) -> int | None:

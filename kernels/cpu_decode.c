@@ -1464,19 +1464,19 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                 const int64_t c0 = task_row[task], R = n * G - c0 < ECHUNK ? n * G - c0 : ECHUNK;
                 const int64_t RS = (R + 15) / 16 * 16; /* rows padded to whole score tiles: qT's and sT's row stride */
                 /* local row r is row c0 + r of the sequence: token (c0 + r) / G, head h * G + (c0 + r) % G */
+#define ROW_AT(base, r) ((base) + ((q_start[i] + (c0 + (r)) / G) * hq + h * G + (c0 + (r)) % G) * d)
                 const int32_t *pages = kv_indices + kv_starts[i];
                 if (!bfp)  /* the rows' queries, scaled, transposed 8 rows at a time (padding rows zero) */
                     for (int64_t r = 0; r < RS; r += 8) {
                         const float *rows[8];
                         for (int u = 0; u < 8; u++)
-                            rows[u] = r + u < R ? q + ((q_start[i] + (c0 + r + u) / G) * hq + h * G + (c0 + r + u) % G) * d
-                                                : NULL;
+                            rows[u] = r + u < R ? ROW_AT(q, r + u) : NULL;
                         queries_t8(rows, d, scale, qT + r, RS);
                     }
                 for (int64_t r = 0; r < RS; r++) {
                     if (r < R) {
 #if BF16_PRODUCTS
-                        const float *src = q + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
+                        const float *src = ROW_AT(q, r);
                         if (bfp)
                             for (int64_t e = 0; e < d; e += 16) {  /* (q_e, q_e+1) pairs, rounded */
                                 const __m256i c = (__m256i)_mm512_cvtneps_pbh(
@@ -1559,7 +1559,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     }
                 }
                 for (int64_t r = 0; r < R; r++) {
-                    float *dst = out + ((q_start[i] + (c0 + r) / G) * hq + h * G + (c0 + r) % G) * d;
+                    float *dst = ROW_AT(out, r);
                     const float inv = 1.0f / l[r];
 #if BF16_PRODUCTS
                     if (bfp) {
@@ -1569,6 +1569,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
 #endif
                     for (int64_t e = 0; e < d; e++) dst[e] = ob[e * RS + r] * inv;
                 }
+#undef ROW_AT
             }
         }
         free(qT), free(ob), free(sT), free(zero), free(m), free(l), free(alpha), free(lastp), free(firstp), free(kb), free(vb);

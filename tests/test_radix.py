@@ -493,8 +493,8 @@ def test_partial_page_finds_the_edge_sharing_the_most_tokens_inside_a_page():
     assert (p.page, p.count) == (2, 3) and p.node.tokens() == [5, 6, 9, 9]
     assert t.stats().hit_tokens == before + 3
     assert t.partial_page(m.node, [1, 2, 3, 4, 5, 6, 9, 1, 1], limit=2).count == 2  # at most limit
-    assert t.partial_page(m.node, [1, 2, 3, 4, 5, 0], record_stats=False) == (3, 2, p.node.parent.children[
-        array("i", [5, 0, 0, 0]).tobytes()])  # fmt: skip
+    other = t.partial_page(m.node, [1, 2, 3, 4, 5, 0], record_stats=False)
+    assert (other.page, other.count) == (3, 2) and other.node.tokens() == [5, 0, 0, 0]
     assert t.partial_page(m.node, [1, 2, 3, 4, 7, 6]) is None  # no edge begins with 7
     assert t.partial_page(m.node, [1, 2, 3, 4]) is None  # nothing follows the match
     # a whole page would have matched: at most page_size - 1 tokens, even when a page's worth agrees

@@ -45,8 +45,9 @@ under the view's namespace; its table then holds fewer KV entries than it has to
     pages    |== view's kept pages ==|== the view namespace's (tree) ==|== own ==|
 
 The last prompt token is never matched: its logits are needed to sample the first
-output token (and a match inside a page leaves two tokens, see ``_copy_partial``). With ``recompute_from`` (prompt logprobs), prompt positions from there on
-are computed again, and only the pages before them are taken from the cache.
+output token (and a match inside a page leaves two tokens, see ``_copy_partial``).
+With ``recompute_from`` (prompt logprobs), prompt positions from there on are computed
+again, and only the pages before them are taken from the cache.
 """
 
 from __future__ import annotations

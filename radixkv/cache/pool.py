@@ -390,7 +390,6 @@ class KVPool(PageAllocator):
             self.k_params = [_zeros(k_params, fmt.scale_dtype, device) for _ in layers]
             self.v_params = [_zeros(params, fmt.scale_dtype, device) for _ in layers]
         self.sealer = Sealer(self) if fmt.paged else None
-        self.copies_rows = self.sealer is None
         self.commit_seconds: float | None = None  # how long committing the pages took (config.commit on the CPU)
         if config.commit and torch.device(device).type == "cpu":
             self._commit()
@@ -505,6 +504,11 @@ class KVPool(PageAllocator):
             at += w
         if self.sealer is not None:
             self.sealer.sealed[idx] = True
+
+    @property
+    def copies_rows(self) -> bool:
+        """Whether ``copy_rows`` works: not for a paged format (its pages are sealed whole)."""
+        return not self.format.paged
 
     def copy_rows(self, src: int, dst: int, count: int) -> None:
         """Copy the KV (every layer's K and V and their parameters) of the first

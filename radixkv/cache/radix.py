@@ -40,24 +40,9 @@ from radixkv.errors import IntegrityError
 from radixkv.kernels import pages as page_loops
 
 _TOKEN = 4  # bytes per token in a key
-_FEW_EDGES = 8  # partial_page compares up to this many edges one by one, more at once
 _INT32_MAX = 2**31 - 1
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 _EMPTY_PAGES.flags.writeable = False
-
-
-def _common_units(key: bytes, pos: int, end: int, edge: bytes, unit: int) -> int:
-    """Leading units (``unit`` bytes each: a page, a token) that ``key[pos:end]`` shares
-    with ``edge``, given that the first one agrees (>= 1). Binary search of
-    ``startswith`` calls."""
-    lo, hi = 1, min(len(edge), end - pos) // unit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if key.startswith(edge[: mid * unit], pos):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def token_key(tokens, field: str = "tokens") -> bytes:
@@ -343,28 +328,21 @@ class RadixCache:
         ``count`` to ``hit_tokens``. ``tokens`` must begin with ``node``'s path."""
         if not node.children:
             return None
-        key = tokens.tobytes() if type(tokens) is array and tokens.typecode == "i" else token_key(tokens)
-        start = (node.depth + node.num_tokens) * _TOKEN
-        stop = len(key) if limit is None else min(len(key), start + limit * _TOKEN)
-        width = self._width
-        rest = key[start : min(stop, start + width - _TOKEN)]  # under a page
-        if not rest:
+        start = node.depth + node.num_tokens
+        stop = min(len(tokens), start + self.page_size - 1, len(tokens) if limit is None else start + limit)
+        if stop <= start:
             return None
+        rest = token_key(tokens[start:stop])  # the tokens that follow the match: under a page
         head = rest[:_TOKEN]
         firsts = [first for first in node.children if first.startswith(head)]
         if not firsts:
             return None
-        if len(firsts) <= _FEW_EDGES:  # tokens shared, per edge: a binary search of startswith calls
-            shared = [_common_units(rest, 0, len(rest), first, _TOKEN) for first in firsts]
-            count = max(shared)
-            best = node.children[firsts[shared.index(count)]]
-        else:  # many (e.g. questions after one shared prefix): one comparison of every first page
-            n = len(rest) // _TOKEN
-            equal = np.frombuffer(b"".join(f[: len(rest)] for f in firsts), np.int32).reshape(-1, n) == np.frombuffer(
-                rest, np.int32)  # fmt: skip
-            shared = np.where(equal.all(1), n, equal.argmin(1))
-            at = int(shared.argmax())  # the first of the longest, as above
-            best, count = node.children[firsts[at]], int(shared[at])
+        n = len(rest) // _TOKEN  # tokens each edge's first page shares with rest: all at once
+        equal = np.frombuffer(b"".join(f[: len(rest)] for f in firsts), np.int32).reshape(-1, n) == np.frombuffer(
+            rest, np.int32)  # fmt: skip
+        shared = np.where(equal.all(1), n, equal.argmin(1))
+        at = int(shared.argmax())  # the first of the longest
+        best, count = node.children[firsts[at]], int(shared[at])
         best.last_access = self._tick
         if record_stats:
             self.hit_tokens += count
@@ -674,8 +652,16 @@ class RadixCache:
 
     def _common_pages(self, key: bytes, pos: int, end: int, edge: bytes) -> int:
         """Whole pages that ``key[pos:end]`` shares with the start of ``edge`` (>= 1,
-        since the first page matched through the children dict)."""
-        return _common_units(key, pos, end, edge, self._width)
+        since the first page matched through the children dict). Binary search."""
+        width = self._width
+        lo, hi = 1, min(len(edge), end - pos) // width
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key.startswith(edge[: mid * width], pos):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _split(self, child: Node, num_pages: int) -> Node:
         """Cut ``child``'s edge after ``num_pages`` pages; return the new upper node.
