@@ -118,6 +118,30 @@ def test_a_cached_prefix_that_ends_inside_a_page_is_taken_from_that_page(engine)
         assert again.cached_tokens == cut // 16 * 16 and again.token_ids == cold.token_ids
 
 
+def test_a_prompt_one_token_past_cached_pages_gives_the_cold_bits(engine):
+    """All but the last token of the prompt are cached whole pages: one token computed
+    alone would be a decode row (the decode kernels, another order of float steps), so
+    the match stops a page earlier and that page's rows are copied: two tokens are
+    computed, and the logprobs are the cold prompt's to the bit."""
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=True)
+    base = engine.tokenizer.encode(chats(engine)[5])
+    pages = len(base) // 16
+    prompt = base[: pages * 16] + engine.tokenizer.encode(" Why?")[:1]  # whole pages, then one token
+    assert engine.flush_cache() is True
+    engine.generate(base, GREEDY)  # the prompt's whole pages enter the tree
+    warm = engine.generate(prompt, params)
+    assert warm.cached_tokens == len(prompt) - 2
+    engine.check_integrity()
+    assert engine.flush_cache() is True
+    cold = engine.generate(prompt, params)
+    assert cold.cached_tokens == 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.outputs[0].logprobs == cold.outputs[0].logprobs  # floats compared exactly
+    with make(partial_pages="off") as off:  # whole pages only: the lone token stays (a page again would cost more)
+        off.generate(base, GREEDY)
+        assert off.generate(prompt, params).cached_tokens == len(prompt) - 1
+
+
 def test_seeded_sampling_is_reproducible_across_batches(engine):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=16, ignore_eos=True)
     alone = engine.generate(chats(engine)[1], params).token_ids

@@ -110,9 +110,9 @@ def test_recompute_from_takes_only_the_pages_before_it_and_leaves_the_rest_evict
 def test_check_proves_shared_pages_are_those_of_the_locked_path():
     kv = manager()
     a = SeqKV()
-    prompt = [1, 2, 3, 4, 5, 6, 7]
-    run(kv, a, prompt, 7, chunk=8)
-    kv.release(a, prompt)  # pages 0, 1, 2 cached
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    run(kv, a, prompt, 8, chunk=8)
+    kv.release(a, prompt)  # pages 0, 1, 2, 3 cached
     b = SeqKV()
     assert kv.admit(b, prompt) == 6 and ids(b.pages) == [0, 1, 2]
     kv.check([b])
@@ -348,12 +348,21 @@ def test_admit_copies_the_leading_rows_of_a_cached_page_where_the_match_ends_ins
     c = SeqKV()
     assert kv.admit(c, first[: P4 + 3]) == P4 + 1
     kv.release(c, first[: P4 + 3])
+    # all but its last token are cached whole pages: the match stops a page earlier and that
+    # page's rows are copied, so two tokens are computed, not a lone one (a decode row)
+    copies = len(pool.copies)
+    g = SeqKV()
+    assert kv.admit(g, first[: 2 * P4 + 1]) == 2 * P4 - 1 and g.cached_tokens == 2 * P4 - 1
+    assert pool.copies[copies:] == [(donor, int(g.pages[1]), P4 - 1)]
+    kv.release(g, first[: 2 * P4 + 1])
     # switched off, and for prompt logprobs (recomputed positions), admission stops at whole pages
     third = first[: P4 + 2] + [77, 77, 77]
     off = KVCacheManager(pool, kv.tree, P4, partial_pages=False)
     d = SeqKV()
     assert off.admit(d, third) == P4
     off.release(d, third)
+    assert off.admit(d, first[: 2 * P4 + 1]) == 2 * P4  # no copy: the lone last token stays
+    off.release(d, first[: 2 * P4 + 1])
     e = SeqKV()
     assert kv.admit(e, third, recompute_from=len(third)) == P4
     kv.release(e, third)

@@ -67,24 +67,24 @@ def test_longest_cached_prefix_is_admitted_first_and_the_budget_splits_the_rest(
     s.add(warm)
     step(s)
     finish(s, warm)  # [5]*12 cached: 3 pages
-    cold, hot = request("cold", [7] * 9), request("hot", [5] * 12 + [6])
+    cold, hot = request("cold", [7] * 9), request("hot", [5] * 12 + [6, 6])
     s.add(cold)
     s.add(hot)
-    # hot finds 12 of its tokens cached and goes first (1 new token); cold gets the
-    # remaining budget of 11 tokens: all 9 of its own.
-    assert step(s) == [("hot", 12, 1), ("cold", 0, 9)]
+    # hot finds 12 of its tokens cached and goes first (2 new tokens); cold gets the
+    # remaining budget of 10 tokens: all 9 of its own.
+    assert step(s) == [("hot", 12, 2), ("cold", 0, 9)]
     assert hot.kv.cached_tokens == 12 and pages(hot) == [0, 1, 2, 3] and pages(cold) == [4, 5, 6]
 
 
 def test_in_batch_dedup_waits_for_a_whole_shared_page_but_not_for_less():
     s = scheduler()
     shared = list(range(100, 120))  # 20 tokens: 5 whole pages
-    a, b = request("a", shared + [1]), request("b", shared + [2])
+    a, b = request("a", shared + [1, 1]), request("b", shared + [2, 2])
     s.add(a)
     s.add(b)
     assert step(s) == [("a", 0, 16)]  # b would recompute a's pages: it waits
-    assert step(s) == [("a", 16, 5)]  # and still waits: a's chunk computes b's fifth page
-    assert step(s) == [("a", 21, 1), ("b", 20, 1)]  # b takes all 5 shared pages, computes its own token
+    assert step(s) == [("a", 16, 6)]  # and still waits: a's chunk computes b's fifth page
+    assert step(s) == [("a", 22, 1), ("b", 20, 2)]  # b takes all 5 shared pages, computes its own tokens
     assert pages(b)[:5] == pages(a)[:5]
     s.kv.check(s.owners())
     # identical short prompts (no whole page to share) and n samples are admitted together

@@ -194,7 +194,7 @@ def test_sweep_reports_the_gap_for_every_policy_and_capacity():
 
 def test_return_oracle_drops_what_never_comes_back_first_then_the_least_recently_used():
     def req(base):
-        return TraceRequest(array("i", range(base, base + 9)))  # two whole pages of 4 (the last token is a key's end)
+        return TraceRequest(array("i", range(base, base + 10)))  # two whole pages of 4, then two tokens
 
     a, b, c = 100, 200, 300
     back_to_a = [req(a), req(b), req(c), req(a)]  # 5 pages hold two prompts' pages: C's insertion evicts one

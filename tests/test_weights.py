@@ -589,7 +589,10 @@ def test_greedy_tokens_with_native_weights_do_not_depend_on_cache_or_batch(activ
     with Engine(**settings) as warm:
         assert warm.model.native and warm.stats()["weights"]["mode"] == "native"
         assert warm.stats()["weights"]["activation_bits"] == activation_bits
-        warm.generate(prompts[0][:-3], greedy)  # a cached prefix, then an extend shorter than DENSE_FROM
+        # a cached prefix, then an extend shorter than DENSE_FROM; one token sampled, so the tree
+        # holds the prompt's own KV only (generated tokens' KV is a decode row's: the model
+        # may well generate this prompt's last three tokens, whose cold bits are a prefill's)
+        warm.generate(prompts[0][:-3], SamplingParams(max_new_tokens=1, temperature=0))
         batched = [o.outputs[0].token_ids for o in warm.generate(prompts, greedy)]
         again = [warm.generate(p, greedy) for p in prompts]
         warm.check_integrity()

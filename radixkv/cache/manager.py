@@ -197,7 +197,10 @@ class KVCacheManager:
 
     def admit(self, seq: SeqKV, tokens, recompute_from: int | None = None) -> int:
         """Take the cached prefix of ``tokens[:-1]``: lock it; its pages begin the page
-        table (read under the lock, no reference taken).
+        table (read under the lock, no reference taken). With partial pages, a match that
+        ends inside a page copies that page's leading rows (``_copy_partial``), and one
+        that would leave the last token alone gives up its last page for a copy of that
+        page's leading rows (``_copy_last_page``).
 
         With ``recompute_from``, only the whole pages before that prompt position are
         taken (and locked); the rest of the cached copy stays evictable, so a prompt
@@ -232,11 +235,47 @@ class KVCacheManager:
         if node is not None:
             self.tree.lock(node)
         self._set(seq, pages, node, len(pages) * self.page_size)
-        if recompute_from is None and self.partial_pages:
+        if recompute_from is None and self.partial_pages and not self._copy_last_page(seq, tokens, first):
             self._copy_partial(seq, tokens, first)
         if first:
             seq.cached_tokens = seq.computed
         return seq.computed
+
+    def _copy_last_page(self, seq: SeqKV, tokens, record_stats: bool) -> bool:
+        """After ``admit``'s whole pages, where they end one token before ``tokens`` do (a
+        prompt sent again with one more token): copy the last page's leading rows into
+        the sequence's own page and give that page back to the tree, so that two tokens are
+        computed, not the last one alone.
+
+            tokens  |== tree's pages ==|== last page ==|x|
+            after   |== tree's pages ==|== copied ==|computed|
+
+        One new token is a decode row to the model (the decode kernels, another order of
+        float steps than the prefill that token belongs to), so its logits would not be
+        the bits of the prompt computed cold; two are a prefill's rows. The copy is taken
+        while the page is locked (it may have just come from a lower tier), before the
+        lock moves to the node above it. With pages of one token (nothing to copy) or no
+        page to copy into, the lone token stays. Returns whether it copied. Mutates the
+        pool (one page), the tree's locks (and may split an edge), ``seq``, and with
+        ``record_stats`` takes the computed token out of the tree's hit count."""
+        size = self.page_size
+        if size == 1 or not len(seq.pages) or seq.computed != len(tokens) - 1:
+            return False
+        if not self.pool.num_free() and not self._evict(1):
+            return False
+        own = self.pool.alloc(1)
+        self.pool.copy_rows(int(seq.pages[-1]), int(own[0]), size - 1)
+        keep = len(seq.pages) - 1
+        above = self.tree.match_prefix(tokens[: keep * size], seq.namespace, record_stats=False).node if keep else None
+        if above is not None:
+            self.tree.lock(above)
+        self.tree.unlock(seq.node)
+        self._set(seq, seq.pages[:keep], above, keep * size)
+        seq.pages = np.concatenate([seq.pages, own])
+        seq.computed += size - 1
+        if record_stats:
+            self.tree.hit_tokens -= 1
+        return True
 
     def _copy_partial(self, seq: SeqKV, tokens, record_stats: bool) -> None:
         """After ``admit``'s whole pages: when the tokens that follow them begin a cached
