@@ -1198,8 +1198,9 @@ static void panel_bytes(const int16_t *tmp, int64_t cols, uint8_t *codes8) {
  * are dot_split's (block i into lane i % 8, then lanes8), the lanes in scratch ([mr][8]
  * [TILE_NR] floats, 32-byte aligned). */
 #ifdef USE_AVX2
-/* out[t] = lanes8 of token t's lanes, eight rows at once (lanes never touched: zero) */
-INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out) {
+/* out[t ostride ..] = lanes8 of token t's lanes, eight rows at once (lanes never touched:
+ * zero); ostride TILE_NR for a tile's scratch, or the result's row length to store there */
+INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out, int64_t ostride) {
     for (int t = 0; t < mr; t++)
         for (int h = 0; h < TILE_NR; h += 8) {
             const float *l = lanes + t * LANE_FLOATS + h;
@@ -1207,7 +1208,7 @@ INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out) 
             for (int k = 0; k < 8; k++) v[k] = k < nb ? _mm256_load_ps(l + k * TILE_NR) : _mm256_setzero_ps();
             const __m256 s0 = _mm256_add_ps(v[0], v[4]), s1 = _mm256_add_ps(v[1], v[5]), s2 = _mm256_add_ps(v[2], v[6]),
                          s3 = _mm256_add_ps(v[3], v[7]);
-            _mm256_store_ps(out + t * TILE_NR + h, _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3)));
+            _mm256_storeu_ps(out + t * ostride + h, _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3)));
         }
 }
 
@@ -1217,7 +1218,7 @@ INLINE void igtile8_mr(const uint8_t *codes8, const float *dm, int64_t nb, int64
     int64_t i = 0;
     for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 1);
     for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 0);
-    lanes_out(lanes, nb, mr, out);
+    lanes_out(lanes, nb, mr, out, TILE_NR);
 }
 
 INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
@@ -1239,7 +1240,7 @@ INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t
     int64_t i = 0;
     for (; i < nb && i < 8; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 1);
     for (; i < nb; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 0);
-    lanes_out(lanes, nb, mr, out);
+    lanes_out(lanes, nb, mr, out, TILE_NR);
 #else
     (void)lanes;
     for (int t = 0; t < mr; t++)
@@ -1518,10 +1519,11 @@ INLINE void pblock8(const int type, const uint8_t *blk, int64_t nb, int64_t cols
     head_into_lanes(type, blk, nb, xd, xs, mr, lanes, i, first, s);
 }
 
-/* bytes: a PANELS8 panel against the activations' byte codes (xq8), else the 16-bit ones (xq) */
+/* bytes: a PANELS8 panel against the activations' byte codes (xq8), else the 16-bit ones (xq);
+ * token t's TILE_NR results at out + t ostride */
 INLINE void ptile_mr(const int type, const int bytes, const uint8_t *panel, int64_t nb, int64_t cols,
                      const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, const int mr,
-                     float *lanes, float *out) {
+                     float *lanes, float *out, int64_t ostride) {
     const int64_t pb = panel_block(type);
 #define PBLOCK(FIRST)                                                                \
     do {                                                                             \
@@ -1534,12 +1536,12 @@ INLINE void ptile_mr(const int type, const int bytes, const uint8_t *panel, int6
     for (; i < nb && i < 8; i++) PBLOCK(1);  /* a lane's first block: it starts from zero */
     for (; i < nb; i++) PBLOCK(0);
 #undef PBLOCK
-    lanes_out(lanes, nb, mr, out);
+    lanes_out(lanes, nb, mr, out, ostride);
 }
 
 static void ptile(int kind, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq, const int8_t *xq8,
-                  const float *xd, const float *xs, int mr, float *lanes, float *out) {
-#define PTILE(T, B, R) ptile_mr(T, B, panel, nb, cols, xq, xq8, xd, xs, R, lanes, out)
+                  const float *xd, const float *xs, int mr, float *lanes, float *out, int64_t ostride) {
+#define PTILE(T, B, R) ptile_mr(T, B, panel, nb, cols, xq, xq8, xd, xs, R, lanes, out, ostride)
 #define PTILE_Q40(R) PTILE(T_Q4_0, 0, R)
 #define PTILE_Q41(R) PTILE(T_Q4_1, 0, R)
 #define PTILE_Q80(R) PTILE(T_Q8_0, 0, R)
@@ -1560,16 +1562,19 @@ static void ptile(int kind, const uint8_t *panel, int64_t nb, int64_t cols, cons
 #undef PTILE8_Q41
 }
 
-/* panel c of y[n, rows] = W^T times the rounded activations xb (W stored as panels) */
+/* panel c of y[n, rows] = W^T times the rounded activations xb (W stored as panels): a whole
+ * panel's results go straight into y's rows, the last panel's part of TILE_NR rows through out */
 INLINE void stored_panel(const qmat *m, int64_t n, float *y, const xbuf *xb, int64_t c, float *lanes, float *out) {
     const int type = m->type & ~STORED;
     const int64_t cols = m->cols, nb = cols / 32, rows = m->rows, stride = nb * panel_block(type);
     const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
     for (int64_t t = 0; t < n; t += TILE_MR) {
         const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
+        const int whole = nr == TILE_NR;
         ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->q8 ? xb->q8 + t * cols : NULL,
-              xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
-        for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+              xb->d + t * nb, xb->s + t * nb, mr, lanes, whole ? y + t * rows + r0 : out, whole ? rows : TILE_NR);
+        if (!whole)
+            for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
     }
 }
 
