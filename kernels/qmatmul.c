@@ -934,9 +934,9 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
 
 /* ---- a tile of outer products ----
  *
- * out[t][0..TILE_NR) = sum over k < depth of x[t * depth + k] * panel[k][0..TILE_NR), for
- * t < mr <= TILE_MR rows of x (row stride depth); panel [depth][TILE_NR] 32-byte aligned,
- * out [mr][TILE_NR] too. Per k: two vectors of the panel, each row's value broadcast,
+ * out[t ostride ..][0..TILE_NR) = sum over k < depth of x[t * depth + k] * panel[k][0..TILE_NR),
+ * for t < mr <= TILE_MR rows of x (row stride depth); panel [depth][TILE_NR] 32-byte aligned,
+ * out a scratch tile (ostride TILE_NR) or the result's rows. Per k: two vectors of the panel, each row's value broadcast,
  * 2 mr fused multiply-adds (12 accumulators at most: the 16 AVX2 registers' share). Each
  * output is one chain of fused multiply-adds over k in order, from zero, whatever mr (and
  * the portable loop takes the same steps, fmaf rounding once as the lanes do), so a row's
@@ -944,7 +944,7 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
 #define TILE_NR 16 /* columns: two 8-lane vectors */
 #define TILE_MR 6  /* rows at most */
 
-INLINE void tile_mr(const float *panel, int64_t depth, const float *x, const int mr, float *out) {
+INLINE void tile_mr(const float *panel, int64_t depth, const float *x, const int mr, float *out, int64_t ostride) {
 #ifdef USE_AVX2
     __m256 a[TILE_MR][2];
     for (int t = 0; t < mr; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();
@@ -957,22 +957,22 @@ INLINE void tile_mr(const float *panel, int64_t depth, const float *x, const int
         }
     }
     for (int t = 0; t < mr; t++) {
-        _mm256_store_ps(out + t * TILE_NR, a[t][0]);
-        _mm256_store_ps(out + t * TILE_NR + 8, a[t][1]);
+        _mm256_storeu_ps(out + t * ostride, a[t][0]);
+        _mm256_storeu_ps(out + t * ostride + 8, a[t][1]);
     }
 #else
     for (int t = 0; t < mr; t++)
         for (int r = 0; r < TILE_NR; r++) {
             float s = 0.0f;
             for (int64_t k = 0; k < depth; k++) s = fmaf(x[t * depth + k], panel[k * TILE_NR + r], s);
-            out[t * TILE_NR + r] = s;
+            out[t * ostride + r] = s;
         }
 #endif
 }
 
 /* tile_mr with mr a constant in each call (both need it inlined where it is used) */
-INLINE void tile(const float *panel, int64_t depth, const float *x, int mr, float *out) {
-#define TILE(R) tile_mr(panel, depth, x, R, out)
+INLINE void tile(const float *panel, int64_t depth, const float *x, int mr, float *out, int64_t ostride) {
+#define TILE(R) tile_mr(panel, depth, x, R, out, ostride)
     WITH_CONSTANT_ROWS(mr, TILE);
 #undef TILE
 }
@@ -1193,8 +1193,9 @@ static void panel_bytes(const int16_t *tmp, int64_t cols, uint8_t *codes8) {
 }
 #endif
 
-/* out[t][0..TILE_NR) = the panel's rows times token t's codes (xq + t cols, scales xd + t nb
- * and sums xs + t nb), t < mr <= TILE_MR; out [mr][TILE_NR] 32-byte aligned. The float steps
+/* out[t ostride ..][0..TILE_NR) = the panel's rows times token t's codes (xq + t cols, scales
+ * xd + t nb and sums xs + t nb), t < mr <= TILE_MR: a scratch tile (ostride TILE_NR) or, for a
+ * whole panel, the result's rows (ostride its row length). The float steps
  * are dot_split's (block i into lane i % 8, then lanes8), the lanes in scratch ([mr][8]
  * [TILE_NR] floats, 32-byte aligned). */
 #ifdef USE_AVX2
@@ -1214,17 +1215,19 @@ INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out, 
 
 /* igtile_mr on byte panels (igblock8; wide: 5-bit codes) */
 INLINE void igtile8_mr(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                       const float *xd, const float *xs, const int mr, const int wide, float *lanes, float *out) {
+                       const float *xd, const float *xs, const int mr, const int wide, float *lanes, float *out,
+                       int64_t ostride) {
     int64_t i = 0;
     for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 1);
     for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 0);
-    lanes_out(lanes, nb, mr, out, TILE_NR);
+    lanes_out(lanes, nb, mr, out, ostride);
 }
 
 INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                    const float *xd, const float *xs, int mr, const int wide, float *lanes, float *out) {
-#define IGTILE8W(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 1, lanes, out)
-#define IGTILE8N(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 0, lanes, out)
+                    const float *xd, const float *xs, int mr, const int wide, float *lanes, float *out,
+                    int64_t ostride) {
+#define IGTILE8W(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 1, lanes, out, ostride)
+#define IGTILE8N(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 0, lanes, out, ostride)
     if (wide)
         WITH_CONSTANT_ROWS(mr, IGTILE8W);
     else
@@ -1235,12 +1238,12 @@ INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t 
 #endif
 
 INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
-                      const float *xd, const float *xs, const int mr, float *lanes, float *out) {
+                      const float *xd, const float *xs, const int mr, float *lanes, float *out, int64_t ostride) {
 #ifdef USE_AVX2
     int64_t i = 0;
     for (; i < nb && i < 8; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 1);
     for (; i < nb; i++) igblock(codes, dm, nb, cols, xq, xd, xs, mr, lanes, i, 0);
-    lanes_out(lanes, nb, mr, out, TILE_NR);
+    lanes_out(lanes, nb, mr, out, ostride);
 #else
     (void)lanes;
     for (int t = 0; t < mr; t++)
@@ -1253,14 +1256,14 @@ INLINE void igtile_mr(const int16_t *codes, const float *dm, int64_t nb, int64_t
                 const float *f = dm + i * 2 * TILE_NR;
                 y[i & 7] = fmaf(f[TILE_NR + r], xs[t * nb + i], fmaf((float)sum, f[r] * xd[t * nb + i], y[i & 7]));
             }
-            out[t * TILE_NR + r] = lanes8(y);
+            out[t * ostride + r] = lanes8(y);
         }
 #endif
 }
 
 INLINE void igtile(const int16_t *codes, const float *dm, int64_t nb, int64_t cols, const int16_t *xq,
-                   const float *xd, const float *xs, int mr, float *lanes, float *out) {
-#define IGTILE(R) igtile_mr(codes, dm, nb, cols, xq, xd, xs, R, lanes, out)
+                   const float *xd, const float *xs, int mr, float *lanes, float *out, int64_t ostride) {
+#define IGTILE(R) igtile_mr(codes, dm, nb, cols, xq, xd, xs, R, lanes, out, ostride)
     WITH_CONSTANT_ROWS(mr, IGTILE);
 #undef IGTILE
 }
@@ -1298,14 +1301,19 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #endif
             for (int64_t t = 0; t < n; t += TILE_MR) {
                 const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
+                const int whole = nr == TILE_NR;  /* whole panels store into y's rows (stored_panel) */
+                float *to = whole ? y + t * rows + r0 : out;
+                const int64_t ostride = whole ? rows : TILE_NR;
 #ifdef USE_AVX2
                 if (bytes)
                     igtile8(codes8, dm, nb, cols, xb->q8 + t * cols, xb->d + t * nb, xb->s + t * nb, mr, wide, lanes,
-                            out);
+                            to, ostride);
                 else
 #endif
-                    igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, out);
-                for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+                    igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, to,
+                           ostride);
+                if (!whole)
+                    for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
             }
         }
     }
@@ -1661,8 +1669,11 @@ int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
                 qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
                 for (int64_t t = 0; t < n; t += TILE_MR) {
                     const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-                    tile(panel, cols, xr + t * cols, mr, out);
-                    for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+                    const int whole = nr == TILE_NR;  /* whole panels store into y's rows */
+                    tile(panel, cols, xr + t * cols, mr, whole ? y + t * rows + r0 : out, whole ? rows : TILE_NR);
+                    if (!whole)
+                        for (int i = 0; i < mr; i++)
+                            memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
                 }
             }
         }
