@@ -170,8 +170,9 @@ class KVCacheManager:
         # pins, TTLs, hints and sessions (radixkv.cache.pins): entries that hold tree locks
         self.max_pinned_share = check_float("max_pinned_share", max_pinned_share, 0.0, 1.0)
         self.pinned = PinRegistry()
-        # a match that ends inside a page: copy the cached page's leading rows (admit)
-        self.partial_pages = partial_pages and pool.copies_rows
+        # a match that ends inside a page: copy the cached page's leading rows (admit); pages
+        # of one token have no leading rows to copy
+        self.partial_pages = partial_pages and pool.copies_rows and page_size > 1
 
     # -- queries -------------------------------------------------------------------------
 
@@ -254,25 +255,20 @@ class KVCacheManager:
         float steps than the prefill that token belongs to), so its logits would not be
         the bits of the prompt computed cold; two are a prefill's rows. The copy is taken
         while the page is locked (it may have just come from a lower tier), before the
-        lock moves to the node above it. With pages of one token (nothing to copy) or no
-        page to copy into, the lone token stays. Returns whether it copied. Mutates the
-        pool (one page), the tree's locks (and may split an edge), ``seq``, and with
-        ``record_stats`` takes the computed token out of the tree's hit count."""
+        lock moves to the node above it. With no page to copy into, the lone token stays.
+        Returns whether it copied. Mutates the pool (one page), the tree's locks (and may
+        split an edge), ``seq``, and with ``record_stats`` takes the computed token out of
+        the tree's hit count."""
         size = self.page_size
-        if size == 1 or not len(seq.pages) or seq.computed != len(tokens) - 1:
+        if seq.computed != len(tokens) - 1 or not self._room_for_one():  # (admit's tokens are two or more)
             return False
-        if not self.pool.num_free() and not self._evict(1):
-            return False
-        own = self.pool.alloc(1)
-        self.pool.copy_rows(int(seq.pages[-1]), int(own[0]), size - 1)
-        keep = len(seq.pages) - 1
+        last, keep, matched = int(seq.pages[-1]), len(seq.pages) - 1, seq.node
         above = self.tree.match_prefix(tokens[: keep * size], seq.namespace, record_stats=False).node if keep else None
         if above is not None:
             self.tree.lock(above)
-        self.tree.unlock(seq.node)
         self._set(seq, seq.pages[:keep], above, keep * size)
-        seq.pages = np.concatenate([seq.pages, own])
-        seq.computed += size - 1
+        self._append_copy(seq, last, size - 1)  # while ``matched`` still locks the last page
+        self.tree.unlock(matched)
         if record_stats:
             self.tree.hit_tokens -= 1
         return True
@@ -296,16 +292,26 @@ class KVCacheManager:
         ``seq.computed``, the edge's access time and (``record_stats``) the tree's hit
         count."""
         limit = self.reusable_tokens(tokens) - seq.computed - 1
-        if limit <= 0 or (not self.pool.num_free() and not self._evict(1)):
+        if limit <= 0 or not self._room_for_one():  # before the lookup: evicting after it could take the donor
             return
         node = seq.node if seq.node is not None else self.tree.root(seq.namespace)
         part = self.tree.partial_page(node, tokens, limit, record_stats)
-        if part is None:
-            return
+        if part is not None:
+            self._append_copy(seq, part.page, part.count)
+
+    def _room_for_one(self) -> bool:
+        """Whether a page is free, evicting one unlocked page if none is. Mutates the tree
+        and pool by that eviction."""
+        return bool(self.pool.num_free() or self._evict(1))
+
+    def _append_copy(self, seq: SeqKV, src: int, count: int) -> None:
+        """A new own page at the end of ``seq``'s page table holding a copy of the first
+        ``count`` rows of page ``src`` (which the caller keeps alive), counted as computed.
+        A page must be free (``_room_for_one``). Mutates the pool and ``seq``."""
         own = self.pool.alloc(1)
-        self.pool.copy_rows(part.page, int(own[0]), part.count)
+        self.pool.copy_rows(src, int(own[0]), count)
         seq.pages = np.concatenate([seq.pages, own])
-        seq.computed += part.count
+        seq.computed += count
 
     def reserve(self, seq: SeqKV, count: int, make_room: Callable[[], bool] | None = None) -> bool:
         """Grow ``seq``'s page table with own pages to hold ``count`` more tokens. When
