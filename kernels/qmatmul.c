@@ -936,13 +936,27 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
  *
  * out[t ostride ..][0..TILE_NR) = sum over k < depth of x[t * depth + k] * panel[k][0..TILE_NR),
  * for t < mr <= TILE_MR rows of x (row stride depth); panel [depth][TILE_NR] 32-byte aligned,
- * out a scratch tile (ostride TILE_NR) or the result's rows. Per k: two vectors of the panel, each row's value broadcast,
- * 2 mr fused multiply-adds (12 accumulators at most: the 16 AVX2 registers' share). Each
+ * out a scratch tile or the result's rows (tile_dest). Per k: two vectors of the panel, each
+ * row's value broadcast, 2 mr fused multiply-adds (12 accumulators at most: the 16 AVX2 registers' share). Each
  * output is one chain of fused multiply-adds over k in order, from zero, whatever mr (and
  * the portable loop takes the same steps, fmaf rounding once as the lanes do), so a row's
  * result does not depend on the rows beside it. */
 #define TILE_NR 16 /* columns: two 8-lane vectors */
 #define TILE_MR 6  /* rows at most */
+
+/* Where a tile of tokens t.. puts the results of the panel of rows r0 .. r0 + nr of y[n, rows]:
+ * a whole panel's straight into y's rows (*ostride = rows), a partial one's into the scratch
+ * tile out (*ostride = TILE_NR), which tile_tail then copies into y */
+INLINE float *tile_dest(float *y, int64_t rows, int64_t r0, int64_t nr, int64_t t, float *out, int64_t *ostride) {
+    *ostride = nr == TILE_NR ? rows : TILE_NR;
+    return nr == TILE_NR ? y + t * rows + r0 : out;
+}
+
+/* a partial panel's results, mr tokens from t, from the scratch tile out into y (tile_dest) */
+INLINE void tile_tail(float *y, int64_t rows, int64_t r0, int64_t nr, int64_t t, int mr, const float *out) {
+    if (nr < TILE_NR)
+        for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+}
 
 INLINE void tile_mr(const float *panel, int64_t depth, const float *x, const int mr, float *out, int64_t ostride) {
 #ifdef USE_AVX2
@@ -1301,9 +1315,8 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #endif
             for (int64_t t = 0; t < n; t += TILE_MR) {
                 const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-                const int whole = nr == TILE_NR;  /* whole panels store into y's rows (stored_panel) */
-                float *to = whole ? y + t * rows + r0 : out;
-                const int64_t ostride = whole ? rows : TILE_NR;
+                int64_t ostride;
+                float *to = tile_dest(y, rows, r0, nr, t, out, &ostride);
 #ifdef USE_AVX2
                 if (bytes)
                     igtile8(codes8, dm, nb, cols, xb->q8 + t * cols, xb->d + t * nb, xb->s + t * nb, mr, wide, lanes,
@@ -1312,8 +1325,7 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #endif
                     igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, to,
                            ostride);
-                if (!whole)
-                    for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+                tile_tail(y, rows, r0, nr, t, mr, out);
             }
         }
     }
@@ -1570,19 +1582,19 @@ static void ptile(int kind, const uint8_t *panel, int64_t nb, int64_t cols, cons
 #undef PTILE8_Q41
 }
 
-/* panel c of y[n, rows] = W^T times the rounded activations xb (W stored as panels): a whole
- * panel's results go straight into y's rows, the last panel's part of TILE_NR rows through out */
+/* panel c of y[n, rows] = W^T times the rounded activations xb (W stored as panels; the results
+ * where tile_dest puts them) */
 INLINE void stored_panel(const qmat *m, int64_t n, float *y, const xbuf *xb, int64_t c, float *lanes, float *out) {
     const int type = m->type & ~STORED;
     const int64_t cols = m->cols, nb = cols / 32, rows = m->rows, stride = nb * panel_block(type);
     const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
     for (int64_t t = 0; t < n; t += TILE_MR) {
         const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-        const int whole = nr == TILE_NR;
+        int64_t ostride;
+        float *to = tile_dest(y, rows, r0, nr, t, out, &ostride);
         ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->q8 ? xb->q8 + t * cols : NULL,
-              xb->d + t * nb, xb->s + t * nb, mr, lanes, whole ? y + t * rows + r0 : out, whole ? rows : TILE_NR);
-        if (!whole)
-            for (int i = 0; i < mr; i++) memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+              xb->d + t * nb, xb->s + t * nb, mr, lanes, to, ostride);
+        tile_tail(y, rows, r0, nr, t, mr, out);
     }
 }
 
@@ -1669,11 +1681,10 @@ int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
                 qg_panel(type, w, rb, r0, nr, cols, tmp, panel);
                 for (int64_t t = 0; t < n; t += TILE_MR) {
                     const int mr = n - t < TILE_MR ? (int)(n - t) : TILE_MR;
-                    const int whole = nr == TILE_NR;  /* whole panels store into y's rows */
-                    tile(panel, cols, xr + t * cols, mr, whole ? y + t * rows + r0 : out, whole ? rows : TILE_NR);
-                    if (!whole)
-                        for (int i = 0; i < mr; i++)
-                            memcpy(y + (t + i) * rows + r0, out + i * TILE_NR, sizeof(float) * (size_t)nr);
+                    int64_t ostride;
+                    float *to = tile_dest(y, rows, r0, nr, t, out, &ostride);
+                    tile(panel, cols, xr + t * cols, mr, to, ostride);
+                    tile_tail(y, rows, r0, nr, t, mr, out);
                 }
             }
         }
