@@ -791,6 +791,15 @@ static void quantize_rows(const float *x, int64_t n, int64_t cols, int act_max, 
         quantize_block(x + 32 * k, act_max, xb->q + 32 * k, q8 ? q8 + 32 * k : NULL, xb->d + k, xb->s + k);
 }
 
+/* token r's activations xr[cols] rounded into its place in xb: quantize_rows' blocks of that
+ * row, for a caller that has just computed the row (the same codes, without another pass) */
+static void quantize_row(const float *xr, int64_t r, int64_t cols, int act_max, const xbuf *xb) {
+    const int64_t nb = cols / 32;
+    int8_t *q8 = act_max <= 127 ? xb->q8 : NULL;
+    for (int64_t i = 0, k = r * nb; i < nb; i++, k++)
+        quantize_block(xr + 32 * i, act_max, xb->q + 32 * k, q8 ? q8 + 32 * k : NULL, xb->d + k, xb->s + k);
+}
+
 /* rows [r0, r1) of y[n, rows] = x . W^T through dot_rows, from the rounded activations xb:
  * ROW_CHUNK rows at a time against every group of up to NT_MAX tokens (the chunk's bytes
  * stay in L1 across the groups) */
@@ -821,11 +830,11 @@ static int check_matrix(int type, int64_t rows, int64_t cols, int act_max) {
  * same bits as dot_rows: see split_panels); K-quants always take dot_rows here. */
 #define PANELS_FROM 8
 
-/* y[n, rows] = x[n, cols] . W^T, called by every thread of a parallel region (its loops
- * are shared out among them; each ends with the region's barrier). */
-static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
+/* y[n, rows] = W^T times the activations already rounded into xb, called by every thread
+ * of a parallel region (its loops are shared out among them; each ends with the region's
+ * barrier). */
+static void rounded_product(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     const int64_t rows = m->rows;
-    quantize_rows(x, n, m->cols, m->act_max, xb);
     if (m->type & STORED) {
         stored_panels(m, n, y, xb);
         return;
@@ -838,6 +847,12 @@ static void product(const qmat *m, const float *x, int64_t n, float *y, const xb
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; c++)
         kernel_rows(m, n, y, xb, c * ROW_CHUNK, c * ROW_CHUNK + ROW_CHUNK < rows ? c * ROW_CHUNK + ROW_CHUNK : rows);
+}
+
+/* y[n, rows] = x[n, cols] . W^T, called by every thread of a parallel region */
+static void product(const qmat *m, const float *x, int64_t n, float *y, const xbuf *xb) {
+    quantize_rows(x, n, m->cols, m->act_max, xb);
+    rounded_product(m, n, y, xb);
 }
 
 static int last_threads;
@@ -1810,26 +1825,40 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
     }
 #pragma omp parallel num_threads(threads)
     {
+        /* each row's norm or SwiGLU is rounded for the next product as soon as it is
+         * computed, in the same loop (one pass and one barrier fewer per product) */
         if (attn) {
             product(o, attn, n, tmp, &xb);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) add_rms_norm_row(x + r * hidden, tmp + r * hidden, mlp_norm, eps, hidden, h + r * hidden);
-            product(gate_up, h, n, gu, &xb);
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) silu_mul_row(gu + r * 2 * inter, inter, a + r * inter);
-            product(down, a, n, tmp, &xb);
+            for (int64_t r = 0; r < n; r++) {
+                add_rms_norm_row(x + r * hidden, tmp + r * hidden, mlp_norm, eps, hidden, h + r * hidden);
+                quantize_row(h + r * hidden, r, hidden, gate_up->act_max, &xb);
+            }
+            rounded_product(gate_up, n, gu, &xb);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
-                if (next_norm) add_rms_norm_row(x + r * hidden, tmp + r * hidden, next_norm, eps, hidden, h + r * hidden);
-                else
+                silu_mul_row(gu + r * 2 * inter, inter, a + r * inter);
+                quantize_row(a + r * inter, r, inter, down->act_max, &xb);
+            }
+            rounded_product(down, n, tmp, &xb);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                if (next_norm) {
+                    add_rms_norm_row(x + r * hidden, tmp + r * hidden, next_norm, eps, hidden, h + r * hidden);
+                    quantize_row(h + r * hidden, r, hidden, qkv->act_max, &xb);
+                } else {
                     for (int64_t j = 0; j < hidden; j++) x[r * hidden + j] += tmp[r * hidden + j];
+                }
             }
         } else {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) add_rms_norm_row(x + r * hidden, NULL, next_norm, eps, hidden, h + r * hidden);
+            for (int64_t r = 0; r < n; r++) {
+                add_rms_norm_row(x + r * hidden, NULL, next_norm, eps, hidden, h + r * hidden);
+                quantize_row(h + r * hidden, r, hidden, qkv->act_max, &xb);
+            }
         }
         if (next_norm) {
-            product(qkv, h, n, qkv_out, &xb);
+            rounded_product(qkv, n, qkv_out, &xb);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
                 float *row = qkv_out + r * qkv->rows;
