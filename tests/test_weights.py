@@ -360,7 +360,9 @@ def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, back
     or half pages with the CPU attention kernel the whole step is one C call (its K/V
     stores round to 16 bits as torch does), else one C call per layer's stretch between
     attentions. Both must give the bits of the step-by-step loop (what decode rows of a
-    mixed batch take): logits and the KV written."""
+    mixed batch take): logits and the KV written. Prefill and extend rows take one call
+    per stretch too (every matrix here gives a token the same bits on both paths): the
+    prompts' logits, an extend's logits on every row and their KV likewise."""
     c = native.config
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (20, 33, 7)]
@@ -372,13 +374,15 @@ def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, back
         native._one_call_layers = one_call
         pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, kv_dtype=kv_dtype, num_pages=16))
         tables = [pool.alloc(4) for _ in prompts]
-        native.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool)
+        first = native.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool)
         tokens, logits = [1, 2, 3], []
         for step in range(3):
             seqs = [SeqInput([tok], len(p) + step, t) for tok, p, t in zip(tokens, prompts, tables)]
             logits.append(native.forward(ForwardBatch.build(seqs, 16), pool, get_backend(backend)))
             tokens = logits[-1].argmax(-1).tolist()
-        runs.append((torch.stack(logits), pool.read_pages(np.concatenate(tables))))
+        seqs = [SeqInput([tok, 5, 6, 7, 8], len(p) + 3, t) for tok, p, t in zip(tokens, prompts, tables)]
+        extend = native.forward(ForwardBatch.build(seqs, 16), pool, get_backend(backend), all_logits=True)
+        runs.append((torch.cat([first, torch.cat(logits), extend]), pool.read_pages(np.concatenate(tables))))
         pool.decref(np.concatenate(tables))
         pool.check_integrity()
         native._one_call_layers = True
@@ -405,15 +409,25 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
     ext_table = pool.alloc(3)
     ext_alone = native.forward(ForwardBatch.build([SeqInput(extend, 0, ext_table)], 16), pool)
     kv_alone = pool.read_pages(np.concatenate([*tables, ext_table]))
-    calls = []
+    calls, stretches = [], []
     monkeypatch.setattr(weights.PackedMatrix, "linear", lambda self, x, threads=None, dense=None,
                         f=weights.PackedMatrix.linear: calls.append((len(x), dense)) or f(self, x, threads, dense))  # fmt: skip
-    mixed = native.forward(ForwardBatch.build([*decode, SeqInput(extend, 0, ext_table)], 16), pool)
-    assert torch.equal(mixed, torch.cat([*alone, ext_alone]))
-    assert np.array_equal(pool.read_pages(np.concatenate([*tables, ext_table])), kv_alone)
-    layer_calls = calls[:-1]  # the head takes one row per sequence
-    assert len(layer_calls) == 4 * c.num_layers and set(layer_calls[:-3]) == {(len(extend) + 2, True)}
-    assert layer_calls[-3:] == [(3, True)] * 3  # the last layer past its attention: the rows read
+    steps = native._steps
+    monkeypatch.setattr(steps, "native_layer", lambda x, *a, f=steps.native_layer: stretches.append(len(x)) or f(x, *a))
+    assert native._no_routing
+    for one_call in (True, False):  # a layer's stretch in one C call, or step by step
+        native._no_routing = one_call
+        calls.clear(), stretches.clear()
+        mixed = native.forward(ForwardBatch.build([*decode, SeqInput(extend, 0, ext_table)], 16), pool)
+        native._no_routing = True
+        assert torch.equal(mixed, torch.cat([*alone, ext_alone]))
+        assert np.array_equal(pool.read_pages(np.concatenate([*tables, ext_table])), kv_alone)
+        layer_calls = calls[:-1]  # the head takes one row per sequence
+        if one_call:  # every row of the batch in each stretch, the last one past its attention: the rows read
+            assert layer_calls == [] and stretches == [len(extend) + 2] * c.num_layers + [3]
+            continue
+        assert len(layer_calls) == 4 * c.num_layers and set(layer_calls[:-3]) == {(len(extend) + 2, True)}
+        assert layer_calls[-3:] == [(3, True)] * 3  # the last layer past its attention: the rows read
     pool.decref(np.concatenate([*tables, ext_table]))
     pool.check_integrity()
     # the K-quants: the same batch shape, rows routed by their own sequence
@@ -426,13 +440,15 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
     assert not torch.equal(q6.linear(x, dense=True)[:2], routed[:2])  # the two paths differ for it
 
 
-def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(native, monkeypatch):
+@pytest.mark.parametrize("one_call", [True, False])
+def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(native, monkeypatch, one_call):
     """Every new token's K/V is written in every layer, but only a sequence's last row is
     read past the last layer: its attention (the CPU kernels), output projection and MLP
     take those rows alone (a decode row, an extend's last, a prefill's last), and the
     logits are the bits every row's forward gives those rows; the pool's pages are the
-    same too."""
+    same too. Whether a layer's stretch between attentions is one C call or step by step."""
     c = native.config
+    monkeypatch.setattr(native, "_no_routing", one_call)
     backend = get_backend("cpu")
     attended = []  # rows of each attention call
     monkeypatch.setattr(type(backend), "forward", lambda self, q, *a, f=type(backend).forward, **kw:
@@ -456,15 +472,22 @@ def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(
         pool.check_integrity()
         return (logits[(batch.qo_indptr[1:] - 1).long()] if all_rows else logits), kv, list(calls), list(attended)
 
-    calls = []
+    calls = []  # rows of each product called from Python, or of each one-call stretch
     monkeypatch.setattr(weights.PackedMatrix, "linear", lambda self, x, threads=None, dense=None,
                         f=weights.PackedMatrix.linear: calls.append(len(x)) or f(self, x, threads, dense))  # fmt: skip
+    steps = native._steps
+    monkeypatch.setattr(steps, "native_layer", lambda x, *a, f=steps.native_layer: calls.append(("stretch", len(x)))
+                        or f(x, *a))  # fmt: skip
     read, kv_read, calls_read, attended_read = run(False)
     every, kv_every, calls_every, attended_every = run(True)
     assert torch.equal(read, every) and np.array_equal(kv_read, kv_every)
     rows = 1 + 40 + 33
     assert attended_every == [rows] * c.num_layers
     assert attended_read == [rows] * (c.num_layers - 1)  # the last layer's three rows: forward_rows, in the kernels
+    if one_call:  # the first layer's norm and q/k/v, each stretch after an attention; the head
+        assert calls_every == [("stretch", rows)] * (c.num_layers + 1) + [rows]
+        assert calls_read == [("stretch", rows)] * c.num_layers + [("stretch", 3), 3]
+        return
     assert calls_every[: 4 * c.num_layers] == [rows] * (4 * c.num_layers)
     assert calls_read == [rows] * (4 * c.num_layers - 3) + [3, 3, 3] + [3]  # the last o, gate_up, down; the head
 

@@ -119,6 +119,8 @@ class LlamaModel:
         self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_decode)
         self._one_call_layers = (native_cpu and all(isinstance(getattr(w, n), PackedMatrix)
                                          for w in layers for n in ("qkv", "o", "gate_up", "down")))  # fmt: skip
+        # and prefill and extend rows too where no matrix needs its rows routed by sequence
+        self._no_routing = all(_paths_agree(getattr(w, n)) for w in layers for n in ("qkv", "o", "gate_up", "down"))
 
     def _matrices(self) -> list[tuple[str, Matrix]]:
         out = [("embed", self.embed), ("norm", self.norm)]
@@ -295,8 +297,10 @@ class LlamaModel:
         cfg, steps, eps = self.config, self._steps, self.config.rms_norm_eps
         hq, hkv, d, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dims
         cos, sin = cos.reshape(-1, rot), sin.reshape(-1, rot)
-        mm = _routed_linear(batch)
         x = x.contiguous()
+        if self._one_call_layers and self._no_routing:
+            return self._native_layers_in_calls(x, batch, pool, backend, cos.contiguous(), sin.contiguous(), last)
+        mm = _routed_linear(batch)
         h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
         for i, w in enumerate(self.layers):
             qkv = mm(h, w.qkv, w.qkv_bias)  # contiguous rows: the q/k norms and RoPE work in place on them
@@ -317,6 +321,28 @@ class LlamaModel:
                 h = steps.add_rms_norm(x, out, self.layers[i + 1].attn_norm, eps)
             else:
                 x += out
+        return x
+
+    def _native_layers_in_calls(self, x, batch, pool, backend, cos, sin, last) -> torch.Tensor:
+        """``_native_layers`` where every matrix is packed and gives a token the same bits on
+        both paths (``_paths_agree``: no routing by sequence is needed): between two
+        attentions one C call (``Steps.native_layer``), as for decode batches, each norm
+        and SwiGLU row rounded for the next product as it is computed. The same bits as
+        the step-by-step loop."""
+        cfg, steps, layers = self.config, self._steps, self.layers
+        hq, d = cfg.num_heads, cfg.head_dim
+        args = (cfg.rms_norm_eps, (hq, cfg.num_kv_heads), d, cos, sin)
+        qkv = steps.native_layer(x, None, None, layers[0], *args)
+        for i, w in enumerate(layers):
+            q, k, v = self._heads(qkv)
+            pool.store_kv(i, k, v, batch.out_slots)
+            if last is not None and i + 1 == len(layers):  # past here only the rows read, in order
+                o = backend.forward_rows(q, k, v, pool.view(i), cfg.attn_scale, last, cfg.window(i))
+                x = x[last]  # a copy
+            else:
+                o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i))
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            qkv = steps.native_layer(x, o.reshape(-1, hq * d).contiguous(), w, nxt, *args)
         return x
 
     def _native_decode_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
