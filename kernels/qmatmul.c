@@ -1811,16 +1811,20 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
                          const float *mlp_norm, const qmat *gate_up, const qmat *down, const float *next_norm,
                          const qmat *qkv, const float *qkv_bias, const float *q_norm, const float *k_norm,
                          int64_t hq, int64_t hkv, int64_t head_dim, int64_t rot, const float *cos,
-                         const float *sin, float *qkv_out, int threads) {
+                         const float *sin, float *qkv_out, float *scratch, int64_t scratch_floats, int threads) {
     int64_t inter = gate_up ? gate_up->rows / 2 : 0, widest = hidden;
     if (attn && o->cols > widest) widest = o->cols;
     if (inter > widest) widest = inter;
-    float *h = malloc(sizeof(float) * (size_t)(n * (2 * hidden + 3 * inter)));
+    const int64_t floats = n * (2 * hidden + 3 * inter);
+    /* the caller's scratch where it is large enough: a prefill's buffers (tens of MB) would
+     * otherwise be fresh mappings, every page faulted in again at every call */
+    const int fits = scratch && scratch_floats >= floats;
+    float *own = fits ? NULL : malloc(sizeof(float) * (size_t)floats), *h = fits ? scratch : own;
     float *tmp = h ? h + n * hidden : NULL, *gu = h ? tmp + n * hidden : NULL, *a = h ? gu + 2 * n * inter : NULL;
     const qmat *some = attn ? o : qkv;  /* the layer's matrices share their act_max (one model, one precision) */
     xbuf xb;
     if (!h || xbuf_alloc(&xb, n, widest / 32, some && some->act_max <= 127)) {
-        free(h);
+        free(own);
         return -2;
     }
 #pragma omp parallel num_threads(threads)
@@ -1869,7 +1873,7 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
             }
         }
     }
-    free(h);
+    free(own);
     xbuf_free(&xb);
     return 0;
 }
@@ -1956,7 +1960,7 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
     float *q = qkv + n * width, *out = q + n * hq * d;
     int status = radixkv_native_layer(x, n, hidden, eps, NULL, NULL, NULL, NULL, NULL, layers[0].attn_norm,
                                       &layers[0].qkv, layers[0].qkv_bias, layers[0].q_norm, layers[0].k_norm, hq,
-                                      hkv, d, rot, cos, sin, qkv, threads);
+                                      hkv, d, rot, cos, sin, qkv, NULL, 0, threads);
     for (int64_t i = 0; i < nlayers && status == 0; i++) {
         const qlayer *l = &layers[i], *next = i + 1 < nlayers ? &layers[i + 1] : NULL;
         for (int64_t r = 0; r < n; r++) {
@@ -1972,7 +1976,8 @@ int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const 
             status = radixkv_native_layer(x, n, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
                                           next ? next->attn_norm : NULL, next ? &next->qkv : NULL,
                                           next ? next->qkv_bias : NULL, next ? next->q_norm : NULL,
-                                          next ? next->k_norm : NULL, hq, hkv, d, rot, cos, sin, qkv, threads);
+                                          next ? next->k_norm : NULL, hq, hkv, d, rot, cos, sin, qkv, NULL, 0,
+                                          threads);
     }
     free(qkv);
     return status;

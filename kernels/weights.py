@@ -131,7 +131,7 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_qk_norm.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, f, _int]
             lib.radixkv_qk_norm.restype = None
             lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _ptr, _ptr,
-                                                 _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]  # fmt: skip
+                                                 _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int]  # fmt: skip
             lib.radixkv_native_layer.restype = _int
             lib.radixkv_native_decode.argtypes = [_ptr, _i64, _i64, f, ctypes.POINTER(QLayer), _i64, _i64, _i64, _i64,
                                                   _i64, _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _int]  # fmt: skip
@@ -343,6 +343,7 @@ class Steps:
 
     def __init__(self) -> None:
         self._lib = load_library()
+        self._scratch = torch.empty(0)  # native_layer's buffers, kept from call to call (grown as needed)
 
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """With ``add``: ``x += add`` in place first. Returns RMSNorm(x) * weight."""
@@ -397,9 +398,13 @@ class Steps:
             before = (next_layer.attn_norm.data_ptr(), ctypes.byref(next_layer.qkv.described),
                       *(None if t is None else t.data_ptr()
                         for t in (next_layer.qkv_bias, next_layer.q_norm, next_layer.k_norm)))  # fmt: skip
+        floats = n * (2 * hidden + (3 * layer.gate_up.shape[0] // 2 if layer is not None else 0))
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
         status = self._lib.radixkv_native_layer(
             x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, *heads, head_dim,
-            cos.shape[1], cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(), torch.get_num_threads(),
+            cos.shape[1], cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(),
+            self._scratch.data_ptr(), self._scratch.numel(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the native layer could not allocate its scratch buffers")

@@ -440,6 +440,34 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
     assert not torch.equal(q6.linear(x, dense=True)[:2], routed[:2])  # the two paths differ for it
 
 
+def test_a_layer_stretch_keeps_its_buffers_from_call_to_call(native):
+    """A prefill's stretch buffers (tens of MB at a 2,048-token step) are kept by the
+    model's steps and grown only when a larger batch needs more, not mapped afresh (and
+    faulted in again) at every layer; a smaller batch reuses them, with its own bits."""
+    c = native.config
+    steps, rng = native._steps, np.random.default_rng(4)
+    pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, num_pages=16))
+
+    def prefill(n):
+        table = pool.alloc((n + 15) // 16)
+        ids = rng.integers(0, c.vocab_size, n).tolist()
+        logits = native.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 16), pool)
+        pool.decref(table)
+        return ids, logits
+
+    prefill(100)
+    need = 100 * (2 * c.hidden_size + 3 * c.intermediate_size)
+    assert steps._scratch.numel() == need
+    kept = steps._scratch.data_ptr()
+    ids, small = prefill(40)
+    assert steps._scratch.data_ptr() == kept and steps._scratch.numel() == need
+    steps._scratch = torch.empty(0)  # the same prefill with buffers of its own size
+    table = pool.alloc(3)
+    assert torch.equal(native.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 16), pool), small)
+    pool.decref(table)
+    pool.check_integrity()
+
+
 @pytest.mark.parametrize("one_call", [True, False])
 def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(native, monkeypatch, one_call):
     """Every new token's K/V is written in every layer, but only a sequence's last row is
