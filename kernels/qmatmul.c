@@ -1718,13 +1718,29 @@ int radixkv_qgemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const 
  * two attentions in one. Each row's arithmetic is one (noinline) function, the same code
  * whichever call runs it and whatever n. */
 
+/* sum of x[j]^2 over j < d in double (each square exact): eight partial sums, x[j] into
+ * sum j % 8, added as lanes8 adds (vectors where the CPU has them, the same order either way) */
+static double sum_squares(const float *x, int64_t d) {
+    double p[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    int64_t j = 0;
+#ifdef USE_AVX2
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    for (; j + 8 <= d; j += 8) {
+        const __m256d x0 = _mm256_cvtps_pd(_mm_loadu_ps(x + j)), x1 = _mm256_cvtps_pd(_mm_loadu_ps(x + j + 4));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(x0, x0)), a1 = _mm256_add_pd(a1, _mm256_mul_pd(x1, x1));
+    }
+    _mm256_storeu_pd(p, a0), _mm256_storeu_pd(p + 4, a1);
+#endif
+    for (; j < d; j++) p[j & 7] += (double)x[j] * x[j];
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
 /* With add: x += add first (the residual). Then out = w * x / sqrt(mean(x^2) + eps). */
 static __attribute__((noinline)) void add_rms_norm_row(float *xr, const float *add, const float *w, float eps,
                                                        int64_t d, float *o) {
     if (add)
         for (int64_t j = 0; j < d; j++) xr[j] += add[j];
-    double ss = 0.0;
-    for (int64_t j = 0; j < d; j++) ss += (double)xr[j] * xr[j];
+    const double ss = sum_squares(xr, d);
     float inv = 1.0f / sqrtf((float)(ss / (double)d) + eps);
     for (int64_t j = 0; j < d; j++) o[j] = w[j] * (xr[j] * inv);
 }
