@@ -325,10 +325,10 @@ class LlamaModel:
 
     def _native_layers_in_calls(self, x, batch, pool, backend, cos, sin, last) -> torch.Tensor:
         """``_native_layers`` where every matrix is packed and gives a token the same bits on
-        both paths (``_paths_agree``: no routing by sequence is needed): between two
-        attentions one C call (``Steps.native_layer``), as for decode batches, each norm
-        and SwiGLU row rounded for the next product as it is computed. The same bits as
-        the step-by-step loop."""
+        both paths (``_paths_agree``: no routing by sequence is needed), and decode batches
+        without the CPU decode kernel: between two attentions one C call
+        (``Steps.native_layer``), each norm and SwiGLU row rounded for the next product as
+        it is computed. The same bits as the step-by-step loop."""
         cfg, steps, layers = self.config, self._steps, self.layers
         hq, d = cfg.num_heads, cfg.head_dim
         args = (cfg.rms_norm_eps, (hq, cfg.num_kv_heads), d, cos, sin)
@@ -365,14 +365,7 @@ class LlamaModel:
             steps.native_decode(x, self._described_layers(pool), cfg.rms_norm_eps, (hq, hkv, d), cos, sin,
                                 batch.out_slots.contiguous(), attention)  # fmt: skip
             return x
-        args = (cfg.rms_norm_eps, (hq, hkv), d, cos, sin)
-        qkv = steps.native_layer(x, None, None, layers[0], *args)
-        for i, w in enumerate(layers):
-            q, k, v = self._heads(qkv)
-            pool.store_kv(i, k, v, batch.out_slots)
-            o = backend.forward(q, k, v, pool.view(i), cfg.attn_scale, cfg.window(i)).reshape(-1, hq * d).contiguous()
-            qkv = steps.native_layer(x, o, w, layers[i + 1] if i + 1 < len(layers) else None, *args)
-        return x
+        return self._native_layers_in_calls(x, batch, pool, backend, cos, sin, None)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``: views of a native layer's ``qkv`` rows."""
