@@ -780,24 +780,26 @@ static void xbuf_free(xbuf *b) {
     free(b->d);
 }
 
+/* the 32 values x rounded into block k of xb (its codes, as bytes too where they fit) */
+static inline void round_block(const float *x, int64_t k, int act_max, const xbuf *xb) {
+    int8_t *q8 = act_max <= 127 ? xb->q8 : NULL;
+    quantize_block(x, act_max, xb->q + 32 * k, q8 ? q8 + 32 * k : NULL, xb->d + k, xb->s + k);
+}
+
 /* n tokens' activations x[n, cols] rounded into xb (codes within +-act_max; as bytes too
  * where they fit), by every thread of a parallel region (the loop is shared out; it ends
  * with the region's barrier) */
 static void quantize_rows(const float *x, int64_t n, int64_t cols, int act_max, const xbuf *xb) {
     const int64_t blocks = n * (cols / 32);
-    int8_t *q8 = act_max <= 127 ? xb->q8 : NULL;
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < blocks; k++)
-        quantize_block(x + 32 * k, act_max, xb->q + 32 * k, q8 ? q8 + 32 * k : NULL, xb->d + k, xb->s + k);
+    for (int64_t k = 0; k < blocks; k++) round_block(x + 32 * k, k, act_max, xb);
 }
 
 /* token r's activations xr[cols] rounded into its place in xb: quantize_rows' blocks of that
  * row, for a caller that has just computed the row (the same codes, without another pass) */
 static void quantize_row(const float *xr, int64_t r, int64_t cols, int act_max, const xbuf *xb) {
     const int64_t nb = cols / 32;
-    int8_t *q8 = act_max <= 127 ? xb->q8 : NULL;
-    for (int64_t i = 0, k = r * nb; i < nb; i++, k++)
-        quantize_block(xr + 32 * i, act_max, xb->q + 32 * k, q8 ? q8 + 32 * k : NULL, xb->d + k, xb->s + k);
+    for (int64_t i = 0; i < nb; i++) round_block(xr + 32 * i, r * nb + i, act_max, xb);
 }
 
 /* rows [r0, r1) of y[n, rows] = x . W^T through dot_rows, from the rounded activations xb:
@@ -1823,6 +1825,10 @@ void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_
  * as the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul,
  * radixkv_qk_norm, radixkv_rope, a residual add), so the same bits. Returns 0, or -2 when
  * scratch cannot be allocated. */
+/* The floats of radixkv_native_layer's buffers for n rows (an MLP of inter, 0 for the
+ * first layer's call): what a caller's scratch needs for the call to use it. */
+int64_t radixkv_native_layer_floats(int64_t n, int64_t hidden, int64_t inter) { return n * (2 * hidden + 3 * inter); }
+
 int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const float *attn, const qmat *o,
                          const float *mlp_norm, const qmat *gate_up, const qmat *down, const float *next_norm,
                          const qmat *qkv, const float *qkv_bias, const float *q_norm, const float *k_norm,
@@ -1831,7 +1837,7 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
     int64_t inter = gate_up ? gate_up->rows / 2 : 0, widest = hidden;
     if (attn && o->cols > widest) widest = o->cols;
     if (inter > widest) widest = inter;
-    const int64_t floats = n * (2 * hidden + 3 * inter);
+    const int64_t floats = radixkv_native_layer_floats(n, hidden, inter);
     /* the caller's scratch where it is large enough: a prefill's buffers (tens of MB) would
      * otherwise be fresh mappings, every page faulted in again at every call */
     const int fits = scratch && scratch_floats >= floats;

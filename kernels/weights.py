@@ -133,6 +133,8 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_native_layer.argtypes = [_ptr, _i64, _i64, f, _ptr, q, _ptr, q, q, _ptr, q, _ptr, _ptr, _ptr,
                                                  _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int]  # fmt: skip
             lib.radixkv_native_layer.restype = _int
+            lib.radixkv_native_layer_floats.argtypes = [_i64, _i64, _i64]
+            lib.radixkv_native_layer_floats.restype = _i64
             lib.radixkv_native_decode.argtypes = [_ptr, _i64, _i64, f, ctypes.POINTER(QLayer), _i64, _i64, _i64, _i64,
                                                   _i64, _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _int]  # fmt: skip
             lib.radixkv_native_decode.restype = _int
@@ -398,7 +400,7 @@ class Steps:
             before = (next_layer.attn_norm.data_ptr(), ctypes.byref(next_layer.qkv.described),
                       *(None if t is None else t.data_ptr()
                         for t in (next_layer.qkv_bias, next_layer.q_norm, next_layer.k_norm)))  # fmt: skip
-        floats = n * (2 * hidden + (3 * layer.gate_up.shape[0] // 2 if layer is not None else 0))
+        floats = self._lib.radixkv_native_layer_floats(n, hidden, 0 if layer is None else layer.gate_up.shape[0] // 2)
         if self._scratch.numel() < floats:
             self._scratch = torch.empty(floats, dtype=torch.float32)
         status = self._lib.radixkv_native_layer(
