@@ -230,9 +230,7 @@ class KVCacheManager:
         if keep < len(pages):
             #   cached  |== kept, locked ==|===== recomputed; the tree's copy unlocked =====|
             pages = pages[:keep]
-            node = None
-            if keep:
-                node = self.tree.match_prefix(tokens[: keep * self.page_size], seq.namespace, record_stats=False).node
+            node = self._node_at(tokens, keep, seq.namespace)
         if node is not None:
             self.tree.lock(node)
         self._set(seq, pages, node, len(pages) * self.page_size)
@@ -263,7 +261,7 @@ class KVCacheManager:
         if seq.computed != len(tokens) - 1 or not self._room_for_one():  # (admit's tokens are two or more)
             return False
         last, keep, matched = int(seq.pages[-1]), len(seq.pages) - 1, seq.node
-        above = self.tree.match_prefix(tokens[: keep * size], seq.namespace, record_stats=False).node if keep else None
+        above = self._node_at(tokens, keep, seq.namespace)
         if above is not None:
             self.tree.lock(above)
         self._set(seq, seq.pages[:keep], above, keep * size)
@@ -272,6 +270,14 @@ class KVCacheManager:
         if record_stats:
             self.tree.hit_tokens -= 1
         return True
+
+    def _node_at(self, tokens, pages: int, namespace) -> Node | None:
+        """The tree's node that ends after the first ``pages`` whole pages of ``tokens`` (a
+        cached prefix at least that long), None for none. May split an edge there; no
+        statistics are recorded."""
+        if not pages:
+            return None
+        return self.tree.match_prefix(tokens[: pages * self.page_size], namespace, record_stats=False).node
 
     def _copy_partial(self, seq: SeqKV, tokens, record_stats: bool) -> None:
         """After ``admit``'s whole pages: when the tokens that follow them begin a cached
