@@ -416,10 +416,9 @@ def test_a_mixed_batch_is_one_product_where_both_paths_give_the_same_bits(native
     monkeypatch.setattr(steps, "native_layer", lambda x, *a, f=steps.native_layer: stretches.append(len(x)) or f(x, *a))
     assert native._no_routing
     for one_call in (True, False):  # a layer's stretch in one C call, or step by step
-        native._no_routing = one_call
+        monkeypatch.setattr(native, "_no_routing", one_call)
         calls.clear(), stretches.clear()
         mixed = native.forward(ForwardBatch.build([*decode, SeqInput(extend, 0, ext_table)], 16), pool)
-        native._no_routing = True
         assert torch.equal(mixed, torch.cat([*alone, ext_alone]))
         assert np.array_equal(pool.read_pages(np.concatenate([*tables, ext_table])), kv_alone)
         layer_calls = calls[:-1]  # the head takes one row per sequence

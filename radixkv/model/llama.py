@@ -236,7 +236,9 @@ class LlamaModel:
             x = self._native_decode_layers(x, batch, pool, backend, cos, sin)
             head = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
         elif self._steps is not None:  # native on the CPU: the layers return the rows read
-            x = self._native_layers(x, batch, pool, backend, cos, sin, last)
+            # a layer's stretch in one call where no matrix needs its rows routed by sequence
+            layers = self._native_layers_in_calls if self._one_call_layers and self._no_routing else self._native_layers
+            x = layers(x, batch, pool, backend, cos, sin, last)
             # every row: routed as the layers; a row per sequence: the kernel
             head = _routed_linear(batch) if all_logits else partial(_linear, dense=False)
         else:
@@ -298,8 +300,6 @@ class LlamaModel:
         hq, hkv, d, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dims
         cos, sin = cos.reshape(-1, rot), sin.reshape(-1, rot)
         x = x.contiguous()
-        if self._one_call_layers and self._no_routing:
-            return self._native_layers_in_calls(x, batch, pool, backend, cos.contiguous(), sin.contiguous(), last)
         mm = _routed_linear(batch)
         h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
         for i, w in enumerate(self.layers):
@@ -330,8 +330,10 @@ class LlamaModel:
         (``Steps.native_layer``), each norm and SwiGLU row rounded for the next product as
         it is computed. The same bits as the step-by-step loop."""
         cfg, steps, layers = self.config, self._steps, self.layers
-        hq, d = cfg.num_heads, cfg.head_dim
-        args = (cfg.rms_norm_eps, (hq, cfg.num_kv_heads), d, cos, sin)
+        hq, d, rot = cfg.num_heads, cfg.head_dim, cfg.rotary_dims
+        x = x.contiguous()
+        args = (cfg.rms_norm_eps, (hq, cfg.num_kv_heads), d, cos.reshape(-1, rot).contiguous(),
+                sin.reshape(-1, rot).contiguous())  # fmt: skip
         qkv = steps.native_layer(x, None, None, layers[0], *args)
         for i, w in enumerate(layers):
             q, k, v = self._heads(qkv)
