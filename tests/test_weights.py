@@ -189,7 +189,9 @@ def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id, 
     """Q4_0, Q4_1 and Q8_0 are stored as panels by default (the 4-bit types at 8-bit
     activations in the byte tiles' order): the same blocks (GGUF's bytes back, the same
     rows dequantized) and, at every batch size on either path, the same bits as the split
-    layout, whose tiles they replace (37 rows: a partial last panel; 11 blocks a row)."""
+    layout, whose tiles they replace (37 rows: a partial last panel; 11 blocks a row; from
+    48 tokens the threads claim the panels' tiles 96 tokens at a time: 203 is two whole
+    spans and a part)."""
     rows, cols = 37, 352
     blocks = torch.from_numpy(random_blocks(type_id, rows, cols, seed=7))
     panels = PackedMatrix(type_id, blocks, cols, activation_bits=bits)
@@ -199,9 +201,9 @@ def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id, 
     assert panels.data.numel() == -(-rows // 16) * 16 * (cols // 32) * TYPES[type_id][2]  # ggml's bytes, padded rows
     ids = torch.tensor([36, 0, 17, 36])
     assert torch.equal(panels.rows(), split.rows()) and torch.equal(panels.rows(ids), split.rows(ids))
-    x = torch.randn(weights.DENSE_FROM + 3, cols, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(203, cols, generator=torch.Generator().manual_seed(3))
     x[:, 5] *= 50  # an outlier channel
-    for n in (1, 2, 5, 6, 7, 8, 13, len(x)):
+    for n in (1, 2, 5, 6, 7, 8, 13, weights.DENSE_FROM + 3, 47, 48, 96, 97, len(x)):
         for dense in (False, True):
             assert torch.equal(panels.linear(x[:n], dense=dense), split.linear(x[:n], dense=dense)), (n, dense)
     # stacking: whole panels are concatenated, a partial one goes back through the blocks
