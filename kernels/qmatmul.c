@@ -1827,6 +1827,18 @@ void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_
     for (int64_t r = 0; r < n; r++) rope_row(x + r * row_stride, heads, d, rot, cos + r * rot, sin + r * rot);
 }
 
+/* The floats of radixkv_native_layer's buffers for n rows (an MLP of inter, 0 for the
+ * first layer's call): what a caller's scratch needs for the call to use it. */
+int64_t radixkv_native_layer_floats(int64_t n, int64_t hidden, int64_t inter) { return n * (2 * hidden + 3 * inter); }
+
+/* row r's RMSNorm (with add: the residual added into x first) into h, rounded at once for
+ * the product m that takes it next (a stretch's norm rows) */
+static void norm_row_for(const qmat *m, float *x, const float *add, const float *w, float eps, int64_t hidden,
+                         int64_t r, float *h, const xbuf *xb) {
+    add_rms_norm_row(x + r * hidden, add ? add + r * hidden : NULL, w, eps, hidden, h + r * hidden);
+    quantize_row(h + r * hidden, r, hidden, m->act_max, xb);
+}
+
 /* A native layer's stretch between two attentions, for n tokens, in one parallel region:
  * with attn (layer i's attention output [n, o->cols]): x += o(attn); h = norm(x) * mlp_norm;
  * x += down(silu(gate) * up of gate_up(h)); then with next_norm (layer i + 1's attention
@@ -1836,10 +1848,6 @@ void radixkv_rope(float *x, int64_t n, int64_t row_stride, int64_t heads, int64_
  * as the separate calls (radixkv_qmatmul, radixkv_add_rms_norm, radixkv_silu_mul,
  * radixkv_qk_norm, radixkv_rope, a residual add), so the same bits. Returns 0, or -2 when
  * scratch cannot be allocated. */
-/* The floats of radixkv_native_layer's buffers for n rows (an MLP of inter, 0 for the
- * first layer's call): what a caller's scratch needs for the call to use it. */
-int64_t radixkv_native_layer_floats(int64_t n, int64_t hidden, int64_t inter) { return n * (2 * hidden + 3 * inter); }
-
 int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const float *attn, const qmat *o,
                          const float *mlp_norm, const qmat *gate_up, const qmat *down, const float *next_norm,
                          const qmat *qkv, const float *qkv_bias, const float *q_norm, const float *k_norm,
@@ -1867,10 +1875,7 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
         if (attn) {
             product(o, attn, n, tmp, &xb);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
-                add_rms_norm_row(x + r * hidden, tmp + r * hidden, mlp_norm, eps, hidden, h + r * hidden);
-                quantize_row(h + r * hidden, r, hidden, gate_up->act_max, &xb);
-            }
+            for (int64_t r = 0; r < n; r++) norm_row_for(gate_up, x, tmp, mlp_norm, eps, hidden, r, h, &xb);
             rounded_product(gate_up, n, gu, &xb);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
@@ -1880,19 +1885,14 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
             rounded_product(down, n, tmp, &xb);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
-                if (next_norm) {
-                    add_rms_norm_row(x + r * hidden, tmp + r * hidden, next_norm, eps, hidden, h + r * hidden);
-                    quantize_row(h + r * hidden, r, hidden, qkv->act_max, &xb);
-                } else {
+                if (next_norm)
+                    norm_row_for(qkv, x, tmp, next_norm, eps, hidden, r, h, &xb);
+                else
                     for (int64_t j = 0; j < hidden; j++) x[r * hidden + j] += tmp[r * hidden + j];
-                }
             }
         } else {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
-                add_rms_norm_row(x + r * hidden, NULL, next_norm, eps, hidden, h + r * hidden);
-                quantize_row(h + r * hidden, r, hidden, qkv->act_max, &xb);
-            }
+            for (int64_t r = 0; r < n; r++) norm_row_for(qkv, x, NULL, next_norm, eps, hidden, r, h, &xb);
         }
         if (next_norm) {
             rounded_product(qkv, n, qkv_out, &xb);
