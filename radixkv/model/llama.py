@@ -299,8 +299,8 @@ class LlamaModel:
         cfg, steps, eps = self.config, self._steps, self.config.rms_norm_eps
         hq, hkv, d, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dims
         cos, sin = cos.reshape(-1, rot), sin.reshape(-1, rot)
-        x = x.contiguous()
         mm = _routed_linear(batch)
+        x = x.contiguous()
         h = steps.add_rms_norm(x, None, self.layers[0].attn_norm, eps)
         for i, w in enumerate(self.layers):
             qkv = mm(h, w.qkv, w.qkv_bias)  # contiguous rows: the q/k norms and RoPE work in place on them
