@@ -1181,6 +1181,9 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
  * - the weighted V sums, kept transposed ([d][rows]), in tiles of 6 dims by 16 rows (each
  *   V value broadcast against two vectors of the rows' weights: the score tile's shape;
  *   bf16 products: [rows][d], tiles of 6 rows by 16 dims).
+ * Where the build has AVX-512, float32 (and widened) blocks take the same steps 16 rows a
+ * vector: score tiles of 16 rows by 8 positions, V tiles of 8 dims by 16 rows, the softmax
+ * on 16 lanes; every operation the AVX2 tiles' in the same order, so the same bits.
  * The rows share each block's K/V, where per-sequence SDPA calls paid their own setup and
  * the decode kernel would read the context once per row. Layouts as radixkv_paged_decode;
  * q_start[i]: sequence i's first query row, n_new[i] its new tokens. Returns 0; -1 when
@@ -1311,6 +1314,75 @@ INLINE void softmax8(float *sT, int64_t rs, float *m, float *l, float *alpha, __
     _mm256_store_ps(alpha, a);
 }
 
+#if defined(__AVX512F__)
+/* AVX-512: the same tiles on 16 rows a vector (one zmm in place of two ymm), with 32
+ * registers for wider tiles: every score, weight and V sum is computed by the same
+ * operations in the same order as above, so the bits are the AVX2 path's. */
+#define WIDE_ROWS 1
+
+/* scores of 8 positions (K rows kp[j]) for the 16 rows of qT ([d][rs]) from its column 0 */
+INLINE void score_tile16(const float *qT, int64_t rs, const float *const *kp, int64_t d, float *sT) {
+    __m512 a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e++) {
+        const __m512 q = _mm512_load_ps(qT + e * rs);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) a[j] = _mm512_fmadd_ps(q, _mm512_set1_ps(kp[j][e]), a[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) _mm512_store_ps(sT + j * rs, a[j]);
+}
+
+/* as softmax8, on 16 rows */
+INLINE void softmax16(float *sT, int64_t rs, float *m, float *l, float *alpha, __m512i last, __m512i first, int64_t k0,
+                      int64_t kn, int full) {
+    __m512 s[EK];
+    __mmask16 valid[EK];
+    __m512 bm = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < EK; j++) {
+        s[j] = _mm512_load_ps(sT + j * rs);
+        if (!full) {
+            const __m512i pos = _mm512_set1_epi32((int)(k0 + j));
+            valid[j] = j < kn ? _mm512_cmple_epi32_mask(pos, last) & _mm512_cmple_epi32_mask(first, pos) : 0;
+            s[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), s[j]);
+        }
+        bm = _mm512_max_ps(bm, s[j]);
+    }
+    const __m512 mo = _mm512_load_ps(m), mn = _mm512_max_ps(bm, mo);
+    const __mmask16 same = _mm512_cmp_ps_mask(mn, mo, _CMP_EQ_OQ);
+    const __m512 a = _mm512_mask_blend_ps(same, exp16_nonpositive(_mm512_sub_ps(mo, mn)), _mm512_set1_ps(1.0f));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < EK; j++) {
+        __m512 p = exp16_nonpositive(_mm512_sub_ps(s[j], mn));
+        if (!full) p = _mm512_maskz_mov_ps(valid[j], p);
+        _mm512_store_ps(sT + j * rs, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), a, sum));
+    _mm512_store_ps(m, mn);
+    _mm512_store_ps(alpha, a);
+}
+
+/* as pv_tile_t on 16 rows and 8 dims (e .. e + 8) */
+INLINE void pv_tile16(const float *pT, int64_t rs, const float *const *vp, int64_t e, const float *alpha, float *oT) {
+    __m512 a[8];
+    const __m512 al = _mm512_load_ps(alpha);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) a[i] = _mm512_mul_ps(_mm512_load_ps(oT + i * rs), al);
+    for (int j = 0; j < EK; j++) {
+        const __m512 p = _mm512_load_ps(pT + j * rs);
+        const float *v = vp[j] + e;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(v[i]), a[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) _mm512_store_ps(oT + i * rs, a[i]);
+}
+#else
+#define WIDE_ROWS 0
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 /* bfloat16 products (AVX512-BF16's vdpbf16ps: a lane's two bf16 products added to its
  * float32 sum) for bf16 pages: the queries and the softmax weights rounded to bf16, K and
@@ -1439,19 +1511,19 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
     int err = 0;
 #pragma omp parallel
     {
-        float *qT = aligned_alloc(32, sizeof(float) * (size_t)(ECHUNK * d));
-        float *ob = aligned_alloc(32, sizeof(float) * (size_t)(ECHUNK * d));
-        float *sT = aligned_alloc(32, sizeof(float) * ECHUNK * EK);
-        float *zero = aligned_alloc(32, sizeof(float) * (size_t)d);
-        float *m = aligned_alloc(32, sizeof(float) * ECHUNK), *l = aligned_alloc(32, sizeof(float) * ECHUNK);
-        float *alpha = aligned_alloc(32, sizeof(float) * ECHUNK);
-        int32_t *lastp = aligned_alloc(32, sizeof(int32_t) * ECHUNK), *firstp = aligned_alloc(32, sizeof(int32_t) * ECHUNK);
+        float *qT = aligned_alloc(64, sizeof(float) * (size_t)(ECHUNK * d));
+        float *ob = aligned_alloc(64, sizeof(float) * (size_t)(ECHUNK * d));
+        float *sT = aligned_alloc(64, sizeof(float) * ECHUNK * EK);
+        float *zero = aligned_alloc(64, sizeof(float) * (size_t)d);
+        float *m = aligned_alloc(64, sizeof(float) * ECHUNK), *l = aligned_alloc(64, sizeof(float) * ECHUNK);
+        float *alpha = aligned_alloc(64, sizeof(float) * ECHUNK);
+        int32_t *lastp = aligned_alloc(64, sizeof(int32_t) * ECHUNK), *firstp = aligned_alloc(64, sizeof(int32_t) * ECHUNK);
         /* bfloat16 pages, bf16 products: the queries and weights as bf16 pairs; else a
          * block's K and V rows (one KV head) widened */
-        uint32_t *qP = bfp ? aligned_alloc(32, sizeof(uint32_t) * (size_t)(ECHUNK * d / 2)) : NULL;
-        uint32_t *pP = bfp ? aligned_alloc(32, sizeof(uint32_t) * ECHUNK * EK / 2) : NULL;
-        float *kb = half && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
-        float *vb = half && !bfp ? aligned_alloc(32, sizeof(float) * (size_t)(EK * d)) : NULL;
+        uint32_t *qP = bfp ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(ECHUNK * d / 2)) : NULL;
+        uint32_t *pP = bfp ? aligned_alloc(64, sizeof(uint32_t) * ECHUNK * EK / 2) : NULL;
+        float *kb = half && !bfp ? aligned_alloc(64, sizeof(float) * (size_t)(EK * d)) : NULL;
+        float *vb = half && !bfp ? aligned_alloc(64, sizeof(float) * (size_t)(EK * d)) : NULL;
         if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bfp && (!qP || !pP)) ||
             (half && !bfp && (!kb || !vb))) {
 #pragma omp atomic write
@@ -1526,6 +1598,23 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     int64_t r0 = k0 - (total - n);
                     r0 = r0 <= 0 ? 0 : r0 * G - c0;
                     r0 = r0 < 0 ? 0 : r0 / 8 * 8;
+#if WIDE_ROWS
+                    if (!bfp) {  /* 16 rows a vector: r0 down to a multiple of 16 (rows that see none of the block add zeros) */
+                        r0 = r0 / 16 * 16;
+                        for (int64_t r = r0; r < RS; r += 16) {
+                            score_tile16(qT + r, RS, kp, d, sT + r);
+                            score_tile16(qT + r, RS, kp + 8, d, sT + 8 * RS + r);
+                        }
+                        for (int64_t r = r0; r < RS; r += 16) {
+                            const int full = kn == EK && k0 + EK - 1 <= lastp[r] && (window <= 0 || k0 >= firstp[r + 15]);
+                            softmax16(sT + r, RS, m + r, l + r, alpha + r, _mm512_load_si512(lastp + r),
+                                      _mm512_load_si512(firstp + r), k0, kn, full);
+                        }
+                        for (int64_t r = r0; r < RS; r += 16)
+                            for (int64_t e = 0; e < d; e += 8) pv_tile16(sT + r, RS, vp, e, alpha + r, ob + e * RS + r);
+                        continue;
+                    }
+#endif
                     for (int64_t r = r0; r < RS; r += 16) {
                         const int nv = RS - r >= 16 ? 2 : 1;
 #if BF16_PRODUCTS

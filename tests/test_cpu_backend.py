@@ -205,6 +205,33 @@ def test_sixteen_bit_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hk
     assert sdpa == [frozenset({1, 5})]  # soft-capped: the extends take the reference path
 
 
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+@needs_compiler
+@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="no AVX-512 here: the AVX2 tiles are the only build")
+def test_the_avx512_extend_tiles_give_the_avx2_tiles_bits(cpu, fresh_build, monkeypatch):
+    """The extend kernel built with AVX-512 (16 rows a vector) and without it (-mno-avx512f:
+    the AVX2 tiles) agree bit for bit on float32 and fp16 pages: ragged extends whose rows
+    start mid-tile, a prefill, windows, pages of 1 and 16, two head shapes."""
+    monkeypatch.setattr(cpu_backend, "FLAGS", cpu_backend.FLAGS + ("-mno-avx512f",))
+    avx2 = get_backend("cpu")
+    assert avx2._lib is not cpu._lib and not avx2.bf16_products  # a second library, without AVX-512
+    lens, prefixes = [5, 40, 2, 17, 33], [11, 0, 1, 700, 130]  # extends only (decode rows: another kernel)
+    for page_size in (1, 16):
+        for hq, hkv, dim in ((9, 3, 64), (8, 1, 128)):
+            for kv_dtype in (torch.float32, torch.float16):
+                case = random_case(9, lens, prefixes, page_size, hq, hkv, torch.float32, dim=dim, kv_dtype=kv_dtype)
+                for window in (None, 7, 100):
+                    wide = check_against_dense(cpu, case, lens, 0.125, window=window)
+                    assert same_bytes(wide, check_against_dense(avx2, case, lens, 0.125, window=window))
+
 def test_half_precision_queries_take_the_reference_path(cpu):
     lens, prefixes = [1, 1], [20, 33]
     case = random_case(4, lens, prefixes, 16, 9, 3, torch.float16, dim=64)
