@@ -1,5 +1,5 @@
-/* What cpu_decode.c and qmatmul.c share: e^x for x <= 0, scalar and on eight AVX2 lanes
- * (softmax after subtracting the max; SwiGLU's sigmoid, from e^-|x|), an IEEE half's
+/* What cpu_decode.c and qmatmul.c share: e^x for x <= 0, scalar and on the lanes of an AVX2 or
+ * AVX-512 vector (softmax after subtracting the max; SwiGLU's sigmoid, from e^-|x|), an IEEE half's
  * value, and the call of a tile function with its row count as a constant. Included by
  * the C sources beside it; radixkv.kernels.build keys a build by the text of such
  * includes too. */
@@ -67,42 +67,31 @@ INLINE float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* exp_nonpositive on 8 lanes */
-INLINE __m256 exp8_nonpositive(__m256 x) {
-    const __m256 round = _mm256_set1_ps(12582912.0f);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), round), round);
-    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
+/* exp_nonpositive on the lanes of a vector: P the intrinsics' prefix (_mm256, _mm512),
+ * V and VI the float and integer vector types, CAST the integer-to-float cast. One body
+ * for both widths, so a lane's result is the same bits at either. */
+#define EXP_NONPOSITIVE_LANES(NAME, P, V, VI, CAST)                                                                 \
+    INLINE V NAME(V x) {                                                                                             \
+        const V round = P##_set1_ps(12582912.0f);                                                                    \
+        x = P##_max_ps(x, P##_set1_ps(-87.0f));                                                                      \
+        const V n = P##_sub_ps(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), round), round);                    \
+        const V r = P##_fmadd_ps(n, P##_set1_ps(2.12194440e-4f), P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x));    \
+        V p = P##_set1_ps(1.9875691500e-4f);                                                                         \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                                       \
+        p = P##_fmadd_ps(P##_mul_ps(p, r), r, P##_add_ps(r, P##_set1_ps(1.0f)));                                     \
+        const VI bits = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                 \
+        return P##_mul_ps(p, CAST(bits));                                                                            \
+    }
 
+#if defined(__AVX2__) && defined(__FMA__)
+EXP_NONPOSITIVE_LANES(exp8_nonpositive, _mm256, __m256, __m256i, _mm256_castsi256_ps) /* on 8 lanes */
+#endif
 #if defined(__AVX512F__)
-/* exp8_nonpositive on 16 lanes: the same operations, so the same bits per lane */
-INLINE __m512 exp16_nonpositive(__m512 x) {
-    const __m512 round = _mm512_set1_ps(12582912.0f);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+EXP_NONPOSITIVE_LANES(exp16_nonpositive, _mm512, __m512, __m512i, _mm512_castsi512_ps) /* on 16 lanes */
 #endif
 
 #endif
