@@ -229,6 +229,87 @@ INLINE void observe_range(const float *e, const float *l, int64_t hq, int64_t sp
     add_heads(mass, e, inv, hq, span);
 }
 
+/* Float32 pages' weighted V sums with the sums in registers (AVX-512; a build with
+ * -DRADIXKV_V_SUMS_IN_MEMORY keeps attend_part's loop, which the tests compare it with) */
+#if defined(__AVX512F__) && !defined(RADIXKV_V_SUMS_IN_MEMORY)
+#define V_SUMS_IN_REGISTERS 1
+
+/* ask for n rows of `row` floats from r on */
+INLINE void prefetch_rows(const float *r, int64_t row, int64_t n) {
+    for (int64_t b = 0; b < n * row * (int64_t)sizeof(float); b += 64) __builtin_prefetch((const char *)r + b);
+}
+
+/* o[k d + e] += sum over positions t in [from, to) of w[k span + t - from] * V_t[voff + e]
+ * for the NH <= 4 query heads k and 64 dims e of a tile: 4 NH sums in registers (named,
+ * so that they stay there), per sum one fused multiply-add per position in position
+ * order: the operations of attend_part's loop over the same sums, so the same bits.
+ * ahead: this pass asks for each page's rows as it reaches the page (a page at once
+ * measured better than the loop's row by row here). */
+INLINE void weigh_v_tile(const float *w, int64_t span, const float *v_cache, const int32_t *pages, int64_t from,
+                         int64_t to, int64_t page_size, int64_t row, int64_t voff, float *o, int64_t d, const int NH,
+                         int ahead) {
+    __m512 a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3;
+#define SUMS_IN(A, K)                                                                                           \
+    if (NH > K)                                                                                                 \
+        A##0 = _mm512_loadu_ps(o + K * d), A##1 = _mm512_loadu_ps(o + K * d + 16),                              \
+        A##2 = _mm512_loadu_ps(o + K * d + 32), A##3 = _mm512_loadu_ps(o + K * d + 48);                          \
+    else                                                                                                        \
+        A##0 = A##1 = A##2 = A##3 = _mm512_setzero_ps();
+#define SUMS_ADD(A, K)                                                                                          \
+    if (NH > K) {                                                                                               \
+        const __m512 p = _mm512_set1_ps(w[K * span + (t - from)]);                                              \
+        A##0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr), A##0), A##1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16), A##1); \
+        A##2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 32), A##2), A##3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 48), A##3); \
+    }
+#define SUMS_OUT(A, K)                                                                                          \
+    if (NH > K)                                                                                                 \
+        _mm512_storeu_ps(o + K * d, A##0), _mm512_storeu_ps(o + K * d + 16, A##1),                              \
+        _mm512_storeu_ps(o + K * d + 32, A##2), _mm512_storeu_ps(o + K * d + 48, A##3);
+    SUMS_IN(a, 0) SUMS_IN(b, 1) SUMS_IN(c, 2) SUMS_IN(e, 3)
+    if (ahead) { /* the first page's rows of the range */
+        const int64_t first = from % page_size, n = page_size - first < to - from ? page_size - first : to - from;
+        prefetch_rows(v_cache + ((int64_t)pages[from / page_size] * page_size + first) * row, row, n);
+    }
+    for (int64_t t = from, pg = from / page_size, off = from % page_size; t < to; t++) {
+        const float *vr = v_cache + ((int64_t)pages[pg] * page_size + off) * row + voff;
+        if (++off == page_size) {
+            off = 0, pg++;
+            if (ahead && pg * page_size < to) /* the next page's rows (before to), asked for as it is reached */
+                prefetch_rows(v_cache + (int64_t)pages[pg] * page_size * row, row,
+                              to - pg * page_size < page_size ? to - pg * page_size : page_size);
+        }
+        SUMS_ADD(a, 0) SUMS_ADD(b, 1) SUMS_ADD(c, 2) SUMS_ADD(e, 3)
+    }
+    SUMS_OUT(a, 0) SUMS_OUT(b, 1) SUMS_OUT(c, 2) SUMS_OUT(e, 3)
+#undef SUMS_IN
+#undef SUMS_ADD
+#undef SUMS_OUT
+}
+
+/* attend_part's V sums (head sizes a multiple of 64) in tiles of up to 4 query heads of one
+ * KV head by 64 dims, each tile a pass over the range's V rows (the first pass asks for
+ * them ahead; the others find them in cache) */
+INLINE void weigh_v_in_registers(const float *scores, int64_t span, const float *v_cache, const int32_t *pages,
+                                 int64_t from, int64_t to, int64_t page_size, float *acc, int64_t hkv, int64_t group,
+                                 int64_t d) {
+    for (int64_t h = 0; h < hkv; h++)
+        for (int64_t e = 0; e < d; e += 64)
+            for (int64_t g = 0; g < group; g += 4) {
+                const int64_t j = h * group + g, nh = group - g < 4 ? group - g : 4;
+                const int ahead = h == 0 && e == 0 && g == 0;
+#define TILE(NH) weigh_v_tile(scores + j * span, span, v_cache, pages, from, to, page_size, hkv * d, h * d + e, \
+                              acc + j * d + e, d, NH, ahead)
+                if (nh == 4) TILE(4);
+                else if (nh == 3) TILE(3);
+                else if (nh == 2) TILE(2);
+                else TILE(1);
+#undef TILE
+            }
+}
+#else
+#define V_SUMS_IN_REGISTERS 0
+#endif
+
 /* Sequence i's query heads against positions [from, to) of its context, unnormalized:
  * per head j, m[j] = the largest score, l[j] = sum of exp(score - m[j]) and
  * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. mass,
@@ -253,6 +334,12 @@ INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cach
     }
     softmax_rows(scores, acc, m, l, hq, d, span);
     if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
+#if V_SUMS_IN_REGISTERS
+    if (fmt == KV_FP32 && d % 64 == 0) {
+        weigh_v_in_registers(scores, span, v_cache, pages, from, to, page_size, acc, hkv, group, d);
+        return;
+    }
+#endif
     for (int64_t t = from; t < to; t++) {
         prefetch_row(v_cache, pages, t + AHEAD, to, page_size, row, size);
         const float *vr = float_row(v_cache, pages, t, page_size, row, fmt, buf);
