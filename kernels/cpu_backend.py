@@ -31,7 +31,8 @@ vector, the AVX2 tiles' operations in the same order: the same bits, 1.05-1.09x 
 On bf16 pages it multiplies in bf16 where the CPU has AVX512-BF16 (``bf16_products``):
 the queries and the softmax weights rounded to bf16, sums in float32, as GPU kernels do
 on a bf16 cache (1.6x the widened path at few-shot's shape); elsewhere bf16 blocks, and
-fp16 ones always, are widened to float32 once per task and block. It needs AVX2 + FMA, head sizes a multiple of 32 and no soft-capped logits.
+fp16 ones always, are widened to float32 once per task and block. It needs AVX2 + FMA,
+head sizes a multiple of 32 and no soft-capped logits.
 The others, and int8 or int4 prefills and extends, keep the reference path (SDPA per
 sequence; ``attend_paged`` for int4); in a mixed batch each sequence goes its own way. Queries
 other than float32, and caches other than fp32, bf16, fp16, int8 or int4 (fp8), run
