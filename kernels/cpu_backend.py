@@ -27,11 +27,12 @@ to a second kernel, ``radixkv_paged_extend``: tasks of a sequence, a KV head and
 its query rows against blocks of 16 positions read in place from the pages, online
 softmax, so each block's K/V serves all of the task's rows (per-sequence SDPA cost more:
 1.8x on a 512-token prefill). Where the build has AVX-512 its float32 tiles take 16 rows a
-vector, the AVX2 tiles' operations in the same order: the same bits, 1.06-1.09x as fast. On bf16 pages it multiplies in bf16 where the CPU has
-AVX512-BF16 (``bf16_products``): the queries and the softmax weights rounded to bf16,
-sums in float32, as GPU kernels do on a bf16 cache (1.6x the widened path at few-shot's
-shape); elsewhere bf16 blocks, and fp16 ones always, are widened to float32 once per task
-and block. It needs AVX2 + FMA, head sizes a multiple of 32 and no soft-capped logits.
+vector, the AVX2 tiles' operations in the same order: the same bits, 1.05-1.09x as fast.
+On bf16 pages it multiplies in bf16 where the CPU has AVX512-BF16 (``bf16_products``):
+the queries and the softmax weights rounded to bf16, sums in float32, as GPU kernels do
+on a bf16 cache (1.6x the widened path at few-shot's shape); elsewhere bf16 blocks, and
+fp16 ones always, are widened to float32 once per task and block. It needs AVX2 + FMA,
+head sizes a multiple of 32 and no soft-capped logits.
 The others, and int8 or int4 prefills and extends, keep the reference path (SDPA per
 sequence; ``attend_paged`` for int4); in a mixed batch each sequence goes its own way. Queries
 other than float32, and caches other than fp32, bf16, fp16, int8 or int4 (fp8), run

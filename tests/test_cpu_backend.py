@@ -205,7 +205,6 @@ def test_sixteen_bit_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hk
     assert sdpa == [frozenset({1, 5})]  # soft-capped: the extends take the reference path
 
 
-
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
