@@ -315,11 +315,12 @@ INLINE void weigh_v_in_registers(const float *scores, int64_t span, const float 
  * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. mass,
  * kept: observe_range's (mass NULL: the row is not observed), as in the other formats.
  * Float32 pages (fmt KV_FP32), or bfloat16 or half pages (KV_BF16, KV_FP16: each row widened
- * as it is read, then the same sums). */
+ * as it is read, then the same sums). in_registers: the V sums in registers where they can
+ * be (the same bits; see weigh_v_in_registers). */
 INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cache, const int32_t *pages,
                         int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
                         int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap, float *mass,
-                        float *kept, const int fmt) {
+                        float *kept, const int fmt, int in_registers) {
     const int64_t group = hq / hkv, row = hkv * d, span = to - from, size = fmt == KV_FP32 ? 4 : 2;
     float buf[fmt == KV_FP32 ? 1 : row];
     for (int64_t t = from; t < to; t++) {
@@ -335,7 +336,7 @@ INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cach
     softmax_rows(scores, acc, m, l, hq, d, span);
     if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
 #if V_SUMS_IN_REGISTERS
-    if (fmt == KV_FP32 && d % 64 == 0) {
+    if (in_registers && fmt == KV_FP32 && d % 64 == 0) {
         weigh_v_in_registers(scores, span, v_cache, pages, from, to, page_size, acc, hkv, group, d);
         return;
     }
@@ -1057,6 +1058,28 @@ INLINE int64_t parts_of(int64_t len, int64_t window) {
     return parts < 1 ? 1 : parts;
 }
 
+static int compare_i32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* whether two of the n sequences begin with the same page (a shared prefix the batch reads
+ * from cache: where the V sums in registers gain, 1.33x over 30 layers; over distinct
+ * contexts streamed from memory the loop's one pass is 3-4% faster) */
+static int first_pages_shared(const int32_t *kv_indices, const int32_t *kv_starts, const int32_t *seq_lens, int64_t n) {
+    if (n < 2) return 0;
+    int32_t *first = malloc(sizeof(int32_t) * (size_t)n);
+    if (first == NULL) return 0;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (seq_lens[i] > 0) first[k++] = kv_indices[kv_starts[i]];
+    qsort(first, (size_t)k, sizeof(int32_t), compare_i32);
+    int shared = 0;
+    for (int64_t i = 1; i < k && !shared; i++) shared = first[i] == first[i - 1];
+    free(first);
+    return shared;
+}
+
 /* Decode attention of n sequences into out (see the top of this file). kv_format:
  * KV_FP32, KV_BF16 or KV_FP16 (k_params, v_params, scales, basis and the own-page rows
  * unused), KV_INT8 (basis
@@ -1116,6 +1139,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
     }
     for (int64_t i = 0; i < n; i++)
         for (int64_t t = part_at[i]; t < part_at[i + 1]; t++) seq_of[t] = i;
+    const int shared = V_SUMS_IN_REGISTERS && kv_format == KV_FP32 && first_pages_shared(kv_indices, kv_starts, seq_lens, n);
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < ntasks; task++) {
@@ -1154,7 +1178,7 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
             /* the common head sizes as constants, so the loops over d unroll into whole vectors */
 #define FLOAT_PART(D, FMT)                                                                                            \
     attend_part(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, D, page_size, scale, softcap, mass_i, \
-                kept_i, FMT)
+                kept_i, FMT, shared)
             if (kv_format == KV_BF16 && d == 64)
                 FLOAT_PART(64, KV_BF16);
             else if (kv_format == KV_BF16)

@@ -231,6 +231,50 @@ def test_the_avx512_extend_tiles_give_the_avx2_tiles_bits(cpu, fresh_build, monk
                     wide = check_against_dense(cpu, case, lens, 0.125, window=window)
                     assert same_bytes(wide, check_against_dense(avx2, case, lens, 0.125, window=window))
 
+
+def shared_prefix_decode_case(seed, prefix_pages, own, page_size, hq, hkv, dim):
+    """Decode rows of sequences whose page tables begin with the same prefix_pages pages
+    (a few-shot batch), then own[i] positions each in pages of their own, over a float32
+    pool filled with random K/V; returns (batch, q, k, v, kv)."""
+    g = torch.Generator().manual_seed(seed)
+    own_pages = [-(-n // page_size) for n in own]
+    pool = KVPool(PoolConfig(1, hkv, dim, page_size, num_pages=prefix_pages + sum(own_pages)))
+    kv = pool.view(0)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g)), kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    order = torch.randperm(prefix_pages + sum(own_pages), generator=g).numpy().astype(np.int32)
+    common, rest = order[:prefix_pages], order[prefix_pages:]
+    seqs, at = [], 0
+    for n, p in zip(own, own_pages):
+        pages = np.concatenate([common, rest[at : at + p]])
+        at += p
+        seqs.append(SeqInput([0], prefix_pages * page_size + n - 1, pages))
+    batch = ForwardBatch.build(seqs, page_size)
+    q = torch.randn(len(own), hq, dim, generator=g)
+    k, v = torch.randn(2, len(own), hkv, dim, generator=g).unbind(0)
+    return batch, q, k, v, kv
+
+
+@needs_compiler
+@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="no AVX-512 here: the V sums stay in the loop")
+def test_decode_rows_over_a_shared_prefix_keep_the_loops_bits(cpu, fresh_build, monkeypatch):
+    """Decode rows whose sequences share their first pages take the V sums in registers
+    (AVX-512, float32 pages, head sizes a multiple of 64): bit-equal to the build that keeps
+    attend_part's loop (-DRADIXKV_V_SUMS_IN_MEMORY), for 1-4 query heads a KV head, 64 and
+    128 dims, pages of 1 and 16, ranges that start and end inside pages; a batch with no
+    shared first page too (the loop in both)."""
+    monkeypatch.setattr(cpu_backend, "FLAGS", cpu_backend.FLAGS + ("-DRADIXKV_V_SUMS_IN_MEMORY",))
+    loop = get_backend("cpu")
+    assert loop._lib is not cpu._lib
+    for page_size in (1, 16):
+        for hq, hkv, dim in ((9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 64), (6, 3, 64)):
+            for prefix_pages, own in ((37 * 16 // page_size, [1, 5, 40, 200]), (0, [3, 300])):
+                batch, q, k, v, kv = shared_prefix_decode_case(5, prefix_pages, own, page_size, hq, hkv, dim)
+                out = []
+                for impl in (cpu, loop):
+                    impl.plan(batch)
+                    out.append(impl.forward(q, k, v, kv, 0.125))
+                assert same_bytes(out[0], out[1]), (page_size, hq, hkv, dim, prefix_pages)
+
 def test_half_precision_queries_take_the_reference_path(cpu):
     lens, prefixes = [1, 1], [20, 33]
     case = random_case(4, lens, prefixes, 16, 9, 3, torch.float16, dim=64)
