@@ -133,12 +133,15 @@ INLINE const void *row_of(const void *cache, const int32_t *pages, int64_t t, in
     return (const char *)cache + ((int64_t)pages[t / page_size] * page_size + t % page_size) * row * size;
 }
 
+/* ask for the cache lines of `bytes` bytes from p */
+INLINE void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);
+}
+
 /* ask for the cache lines of token t's row before they are needed (none past `end`) */
 INLINE void prefetch_row(const void *cache, const int32_t *pages, int64_t t, int64_t end, int64_t page_size, int64_t row,
                          int64_t size) {
-    if (t >= end) return;
-    const char *r = row_of(cache, pages, t, page_size, row, size);
-    for (int64_t o = 0; o < row * size; o += 64) __builtin_prefetch(r + o);
+    if (t < end) prefetch_bytes(row_of(cache, pages, t, page_size, row, size), row * size);
 }
 
 /* dst[0..n) = the bfloat16 values src[0..n) as floats (exact: a bfloat16 is a float's top half) */
@@ -234,11 +237,6 @@ INLINE void observe_range(const float *e, const float *l, int64_t hq, int64_t sp
 #if defined(__AVX512F__) && !defined(RADIXKV_V_SUMS_IN_MEMORY)
 #define V_SUMS_IN_REGISTERS 1
 
-/* ask for n rows of `row` floats from r on */
-INLINE void prefetch_rows(const float *r, int64_t row, int64_t n) {
-    for (int64_t b = 0; b < n * row * (int64_t)sizeof(float); b += 64) __builtin_prefetch((const char *)r + b);
-}
-
 /* o[k d + e] += sum over positions t in [from, to) of w[k span + t - from] * V_t[voff + e]
  * for the NH <= 4 query heads k and 64 dims e of a tile: 4 NH sums in registers (named,
  * so that they stay there), per sum one fused multiply-add per position in position
@@ -268,15 +266,15 @@ INLINE void weigh_v_tile(const float *w, int64_t span, const float *v_cache, con
     SUMS_IN(a, 0) SUMS_IN(b, 1) SUMS_IN(c, 2) SUMS_IN(e, 3)
     if (ahead) { /* the first page's rows of the range */
         const int64_t first = from % page_size, n = page_size - first < to - from ? page_size - first : to - from;
-        prefetch_rows(v_cache + ((int64_t)pages[from / page_size] * page_size + first) * row, row, n);
+        prefetch_bytes(v_cache + ((int64_t)pages[from / page_size] * page_size + first) * row, n * row * (int64_t)sizeof(float));
     }
     for (int64_t t = from, pg = from / page_size, off = from % page_size; t < to; t++) {
         const float *vr = v_cache + ((int64_t)pages[pg] * page_size + off) * row + voff;
         if (++off == page_size) {
             off = 0, pg++;
             if (ahead && pg * page_size < to) /* the next page's rows (before to), asked for as it is reached */
-                prefetch_rows(v_cache + (int64_t)pages[pg] * page_size * row, row,
-                              to - pg * page_size < page_size ? to - pg * page_size : page_size);
+                prefetch_bytes(v_cache + (int64_t)pages[pg] * page_size * row,
+                               (to - pg * page_size < page_size ? to - pg * page_size : page_size) * row * (int64_t)sizeof(float));
         }
         SUMS_ADD(a, 0) SUMS_ADD(b, 1) SUMS_ADD(c, 2) SUMS_ADD(e, 3)
     }
@@ -466,11 +464,6 @@ INLINE void softmax_rows_vec(float *scores, float *acc, float *m, float *l, int6
     case 3: call(3); break; \
     default: call(4); break; \
     }
-
-/* ask for the cache lines of `bytes` bytes from p */
-INLINE void prefetch_bytes(const void *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* [sum of r[0]'s lanes, ..., sum of r[7]'s lanes] */

@@ -205,16 +205,11 @@ def test_sixteen_bit_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hk
     assert sdpa == [frozenset({1, 5})]  # soft-capped: the extends take the reference path
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
-    except OSError:
-        return set()
+HAS_AVX512F = "avx512f" in build.cpu_id().split()  # the flags -march=native builds with
 
 
 @needs_compiler
-@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="no AVX-512 here: the AVX2 tiles are the only build")
+@pytest.mark.skipif(not HAS_AVX512F, reason="no AVX-512 here: the AVX2 tiles are the only build")
 def test_the_avx512_extend_tiles_give_the_avx2_tiles_bits(cpu, fresh_build, monkeypatch):
     """The extend kernel built with AVX-512 (16 rows a vector) and without it (-mno-avx512f:
     the AVX2 tiles) agree bit for bit on float32 and fp16 pages: ragged extends whose rows
@@ -255,7 +250,7 @@ def shared_prefix_decode_case(seed, prefix_pages, own, page_size, hq, hkv, dim):
 
 
 @needs_compiler
-@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="no AVX-512 here: the V sums stay in the loop")
+@pytest.mark.skipif(not HAS_AVX512F, reason="no AVX-512 here: the V sums stay in the loop")
 def test_decode_rows_over_a_shared_prefix_keep_the_loops_bits(cpu, fresh_build, monkeypatch):
     """Decode rows whose sequences share their first pages take the V sums in registers
     (AVX-512, float32 pages, head sizes a multiple of 64): bit-equal to the build that keeps
@@ -274,6 +269,7 @@ def test_decode_rows_over_a_shared_prefix_keep_the_loops_bits(cpu, fresh_build, 
                     impl.plan(batch)
                     out.append(impl.forward(q, k, v, kv, 0.125))
                 assert same_bytes(out[0], out[1]), (page_size, hq, hkv, dim, prefix_pages)
+
 
 def test_half_precision_queries_take_the_reference_path(cpu):
     lens, prefixes = [1, 1], [20, 33]
