@@ -13,12 +13,18 @@ runs in their place (the same run, rounds interleaved, medians):
 Reported: milliseconds, G multiply-adds per second, and the ratio to the float32 peer.
 Threads: ``--threads`` (default 2) for both.
 
+Then the products' ceiling on this CPU (``tile_ceiling.c``): a tile block's 192 integer
+multiply-adds alone, in registers, and with the 36 float steps per block that the bit
+contract adds (one multiply and two fused multiply-adds per token and 8 rows), on the
+same threads; each 16-bit product's rate as a share of that ceiling.
+
     .venv/bin/python benchmarks/bench_cpu_kernels.py [--rounds 5] [--json benchmarks/out/bench_cpu_kernels.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_seconds, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
-from radixkv.kernels import get_backend  # noqa: E402
+from radixkv.kernels import build, get_backend  # noqa: E402
 from radixkv.model import load_model  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 
@@ -72,6 +78,25 @@ class Extend:
         return lambda: self.impls[name].forward(self.q, self.k, self.v, self.kv, DIM**-0.5)
 
 
+CEILING = {"integer steps alone": 0, "with the float steps": 1}  # tile_ops's float_steps
+
+
+def tile_ceiling(threads: int):
+    """A call per ``CEILING`` label that times a tile block's work in registers
+    (``tile_ceiling.c``) on ``threads`` threads for ~0.2 s and returns its G multiply-adds
+    per second; None on a CPU without AVX2 and FMA."""
+    source = Path(__file__).with_name("tile_ceiling.c")
+    lib = ctypes.CDLL(str(build.build("tile_ceiling", source, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"),
+                                      depends_on=(build.cpu_id(),))))  # fmt: skip
+    lib.tile_ops.argtypes, lib.tile_ops.restype = [ctypes.c_long, ctypes.c_int, ctypes.c_int], ctypes.c_double
+    if lib.tile_ops(1, 0, 1) < 0:
+        return None
+    macs_per_block = 192 * 16  # 12 multiply-adds a step x 16 steps, each on 8 lanes of 16-bit pairs
+    iters = max(1, int(0.2 / max(lib.tile_ops(20000, 1, threads), 1e-9) * 20000))
+    return {label: lambda f=float_steps: threads * iters * macs_per_block / lib.tile_ops(iters, f, threads) / 1e9
+            for label, float_steps in CEILING.items()}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -102,8 +127,11 @@ def main() -> int:
                       "8-bit": lambda m=packed8, x=x: m.linear(x, dense=True),
                       "float32": lambda w=dense, x=x: F.linear(x, w)}}  # fmt: skip
 
+    ceiling = tile_ceiling(args.threads)
     samples: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
+        for label, rate in (ceiling or {}).items():  # in the same rounds as the products: the same drift
+            samples.setdefault(("ceiling", label), []).append(rate())
         for label, p in extends.items():
             for name in ("cpu", "torch"):
                 samples.setdefault(("extend", label, name), []).append(median_seconds(p.call(name), args.repeat))
@@ -130,6 +158,21 @@ def main() -> int:
             rows.append({"kind": "product", "problem": label, "system": name, "ms": s * 1e3,
                          "gmacs": prod["macs"] / s / 1e9, "x_peer": ratio})  # fmt: skip
             print(f"{label:<26}{name:>9}{s * 1e3:>9.2f}{prod['macs'] / s / 1e9:>9.1f}{ratio:>9.2f}")
+    if ceiling is None:
+        print("\nno AVX2 and FMA: the products run their portable loops, no ceiling measured")
+    else:
+        top = med[("ceiling", "with the float steps")]
+        print(f"\n{'ceiling of the tiles':<38}{'G MAC/s':>9}")
+        for label in CEILING:
+            rate = med[("ceiling", label)]
+            print(f"{label:<38}{rate:>9.1f}")
+            rows.append({"kind": "ceiling", "problem": "tile block in registers", "system": label, "gmacs": rate})
+        print(f"\n{'16-bit products':<26}{'G MAC/s':>9}{'% ceiling':>11}")
+        for label, prod in products.items():
+            rate = prod["macs"] / med[("product", label, "16-bit")] / 1e9
+            print(f"{label:<26}{rate:>9.1f}{100 * rate / top:>10.0f}%")
+            rows.append({"kind": "ceiling_share", "problem": label, "system": "16-bit", "gmacs": rate,
+                         "of_ceiling": rate / top})  # fmt: skip
     write_result(args.json, rows, threads=args.threads, rounds=args.rounds, repeat=args.repeat)
     return 0
 
