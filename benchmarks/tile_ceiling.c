@@ -68,8 +68,8 @@ double tile_ops(long iters, int float_steps, int threads) {
                     _mm256_store_ps(o, _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[2 * t]), _mm256_mul_ps(d0, s), _mm256_load_ps(o))));
                     _mm256_store_ps(o + 8, _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[2 * t + 1]), _mm256_mul_ps(d1, s), _mm256_load_ps(o + 8))));
                 }
-                __asm__ volatile("" : : : "memory");  /* the next block's scales and sums: loaded again */
             }
+            __asm__ volatile("" : : : "memory");  /* the next block's codes, scales and sums: loaded again */
         }
         float sum = 0.0f;
         for (int i = 0; i < 12; i++) sum += (float)_mm256_extract_epi32(a[i], 0) + lanes[8 * i];
