@@ -237,6 +237,13 @@ INLINE void observe_range(const float *e, const float *l, int64_t hq, int64_t sp
 #if defined(__AVX512F__) && !defined(RADIXKV_V_SUMS_IN_MEMORY)
 #define V_SUMS_IN_REGISTERS 1
 
+/* ask for float32 rows t .. the end of t's page (none from `end` on) */
+INLINE void prefetch_page_rows(const float *cache, const int32_t *pages, int64_t t, int64_t end, int64_t page_size,
+                               int64_t row) {
+    const int64_t n = page_size - t % page_size < end - t ? page_size - t % page_size : end - t;
+    prefetch_bytes(row_of(cache, pages, t, page_size, row, sizeof(float)), n * row * (int64_t)sizeof(float));
+}
+
 /* o[k d + e] += sum over positions t in [from, to) of w[k span + t - from] * V_t[voff + e]
  * for the NH <= 4 query heads k and 64 dims e of a tile: 4 NH sums in registers (named,
  * so that they stay there), per sum one fused multiply-add per position in position
@@ -264,17 +271,12 @@ INLINE void weigh_v_tile(const float *w, int64_t span, const float *v_cache, con
         _mm512_storeu_ps(o + K * d, A##0), _mm512_storeu_ps(o + K * d + 16, A##1),                              \
         _mm512_storeu_ps(o + K * d + 32, A##2), _mm512_storeu_ps(o + K * d + 48, A##3);
     SUMS_IN(a, 0) SUMS_IN(b, 1) SUMS_IN(c, 2) SUMS_IN(e, 3)
-    if (ahead) { /* the first page's rows of the range */
-        const int64_t first = from % page_size, n = page_size - first < to - from ? page_size - first : to - from;
-        prefetch_bytes(v_cache + ((int64_t)pages[from / page_size] * page_size + first) * row, n * row * (int64_t)sizeof(float));
-    }
+    if (ahead) prefetch_page_rows(v_cache, pages, from, to, page_size, row);
     for (int64_t t = from, pg = from / page_size, off = from % page_size; t < to; t++) {
         const float *vr = v_cache + ((int64_t)pages[pg] * page_size + off) * row + voff;
         if (++off == page_size) {
             off = 0, pg++;
-            if (ahead && pg * page_size < to) /* the next page's rows (before to), asked for as it is reached */
-                prefetch_bytes(v_cache + (int64_t)pages[pg] * page_size * row,
-                               (to - pg * page_size < page_size ? to - pg * page_size : page_size) * row * (int64_t)sizeof(float));
+            if (ahead && t + 1 < to) prefetch_page_rows(v_cache, pages, t + 1, to, page_size, row); /* as it is reached */
         }
         SUMS_ADD(a, 0) SUMS_ADD(b, 1) SUMS_ADD(c, 2) SUMS_ADD(e, 3)
     }
