@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_seconds, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
-from radixkv.kernels import build, get_backend  # noqa: E402
+from radixkv.kernels import build, get_backend, weights  # noqa: E402
 from radixkv.model import load_model  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 
@@ -87,8 +87,7 @@ def tile_ceiling(threads: int):
     and decode (``tile_ceiling.c``) on ``threads`` threads for ~0.2 s and returns their G
     multiply-adds per second; None on a CPU without AVX2 and FMA."""
     source = Path(__file__).with_name("tile_ceiling.c")
-    lib = ctypes.CDLL(str(build.build("tile_ceiling", source, ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"),
-                                      depends_on=(build.cpu_id(),))))  # fmt: skip
+    lib = ctypes.CDLL(str(build.build("tile_ceiling", source, weights.FLAGS, depends_on=(build.cpu_id(),))))
     lib.tile_ops.argtypes, lib.tile_ops.restype = [ctypes.c_long, ctypes.c_int, ctypes.c_int], ctypes.c_double
     if lib.tile_ops(1, 0, 1) < 0:
         return None
