@@ -4,8 +4,9 @@ float32 when the inputs of some of the products are rounded to 8 bits per block 
 The native model rounds every product's input to 16-bit codes per block of 32 (codes
 within +-32767, the block's scale its largest magnitude over 32767); ``--activation-bits 8``
 rounds them to +-127, as llama.cpp does, and runs the products up to twice as fast. This
-emulates that rounding on the float32 model's product inputs (the same weights, expanded)
-so that any mix can be tried without a kernel for it:
+applies the kernels' own rounding (``radixkv_round_activations``) to the float32 model's
+product inputs (the same weights, expanded), block by block at 8 or 16 bits, so that any
+mix can be tried without a kernel for it:
 
 - every input at 16 bits, and every input at 8;
 - 8 bits for one product's inputs (q/k/v, o, gate/up or down) and 16 for the rest;
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import FIDELITY_CHATS, write_result  # noqa: E402
 from radixkv.cache import KVPool, PoolConfig  # noqa: E402
 from radixkv.kernels import get_backend  # noqa: E402
+from radixkv.kernels.weights import ACTIVATION_CODES, load_library  # noqa: E402
 from radixkv.model import llama, load_model  # noqa: E402
 from radixkv.model.batch import ForwardBatch, SeqInput  # noqa: E402
 from radixkv.model.chat_template import ChatTemplate  # noqa: E402
@@ -42,15 +44,13 @@ PRODUCTS = ("qkv", "o", "gate_up", "down")
 OUTLIER_FACTORS = (2.5, 3.0, 4.0)
 
 
-def rounded(x: torch.Tensor, eight: torch.Tensor) -> torch.Tensor:
-    """``x [n, cols]`` rounded per block of 32 as the kernels round it: 8-bit codes where
-    ``eight [n, cols / 32, 1]``, else 16-bit."""
-    n, cols = x.shape
-    blocks = x.reshape(n, cols // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    d = amax / torch.where(eight, 127.0, 32767.0)
-    codes = torch.round(blocks / torch.where(d > 0, d, 1.0))
-    return (codes * d).reshape(n, cols)
+def rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x [n, cols]`` (contiguous float32) with each block of 32 replaced by its rounding
+    to ``bits``-bit codes, by the kernels' own rounding (``radixkv_round_activations``)."""
+    out = torch.empty_like(x)
+    load_library().radixkv_round_activations(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
+                                             ACTIVATION_CODES[bits], torch.get_num_threads())  # fmt: skip
+    return out
 
 
 class Rounding:
@@ -71,7 +71,8 @@ class Rounding:
         eight = self.rule(product, blocks, blocks.abs().amax(-1, keepdim=True))
         self.blocks += eight.numel()
         self.eight += int(eight.sum())
-        return self.plain(rounded(x, eight), w, bias, dense)
+        pick = torch.where(eight, rounded(x, 8).reshape(blocks.shape), rounded(x, 16).reshape(blocks.shape))
+        return self.plain(pick.reshape(x.shape), w, bias, dense)
 
 
 def logprobs(model, ids: list[int]) -> torch.Tensor:
