@@ -89,9 +89,10 @@ class AttentionBackend:
         with the bits ``forward`` gives them."""
         return self.forward(q, k, v, kv, scale, sliding_window, logit_softcap)[rows]
 
-    def decode_kernel(self, kv) -> tuple[int, ...] | None:
-        """A C kernel a model may call itself for this plan's decode attention over ``kv``
-        (a layer's view), as ``CpuBackend`` offers one; None here: call ``forward``."""
+    def step_kernels(self, kv, last: bool) -> dict[str, int] | None:
+        """C kernels a model may call itself for this plan's attention over ``kv`` (a
+        layer's view) in every layer, as ``CpuBackend`` offers them; None here: call
+        ``forward``."""
         return None
 
     def _observe(self, q, k, kv, scale, sliding_window, logit_softcap, skip: frozenset[int] = frozenset()) -> None:

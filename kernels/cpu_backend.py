@@ -102,7 +102,9 @@ class CpuBackend(TorchBackend):
 
     def __init__(self) -> None:
         self._lib = load_library()
-        self._kernel_address = ctypes.cast(self._lib.radixkv_paged_decode, ctypes.c_void_p).value  # decode_kernel's
+        # the kernels' addresses, for a model that calls them itself (step_kernels)
+        self._decode_address = ctypes.cast(self._lib.radixkv_paged_decode, ctypes.c_void_p).value
+        self._extend_address = ctypes.cast(self._lib.radixkv_paged_extend, ctypes.c_void_p).value
         # the extend kernel needs AVX2 + FMA (it answers -1 without them, 0 for an empty batch)
         self._extend_kernel = self._lib.radixkv_paged_extend(*[None] * 9, 0, 1, 1, 32, 1, 1.0, 0, _KV_FP32) == 0
         # bf16 pages' extends: products in bf16 (AVX512-BF16), else rows widened to float32
@@ -135,19 +137,30 @@ class CpuBackend(TorchBackend):
             self._ext_len = torch.tensor([batch.seq_lens[i] for i in ext], dtype=torch.int32)
             self._ext_seq, self._ext_one = idx, torch.ones(len(ext), dtype=torch.int32)  # forward_rows: last rows
 
-    def decode_kernel(self, kv) -> tuple[int, int, int, int, int, int] | None:
-        """For a model that runs a whole decode step in C (``radixkv_native_decode``): the
-        address of the kernel function and of this plan's row, page-start, page and length
-        arrays (alive until the next plan), and the kernel's code for the pages' format,
-        when every sequence decodes, nothing is observed and ``kv`` (a layer's view; every
-        layer's is alike) holds float32, bfloat16 or half pages the kernel reads; else None."""
-        if len(self.decode_rows) < len(self.qo_lens) or self.mass:
+    def step_kernels(self, kv, last: bool) -> dict[str, int] | None:
+        """For a model that runs a whole step's layers in C (``radixkv_native_forward``):
+        the addresses of the two kernels and of this plan's arrays for them (alive until the
+        next plan), their counts and the kernel's code for the pages' format, as
+        ``Attention``'s fields by name; ``last``: past the last layer only each sequence's
+        last row is read (``forward_rows``' arrays too). When every sequence goes to a
+        kernel (decode rows to the decode kernel, prefills and extends to the extend
+        kernel), nothing is observed and ``kv`` (a layer's view; every layer's is alike)
+        holds float32, bfloat16 or half pages both read; else None."""
+        if self.mass or len(self.decode_rows) + len(self.extends) < len(self.qo_lens):
             return None
         kv_format = _pages_format(kv)  # float pages: no parameters, no sealer (that is int4's)
-        if kv_format not in _FLOAT_PAGES:
+        if kv_format not in _FLOAT_PAGES or (self.extends and kv.k.shape[3] % 32):  # the extend kernel's head sizes
             return None
-        return (self._kernel_address, self._q_rows.data_ptr(), self._kv_starts.data_ptr(), self._kv_indices.data_ptr(),
-                self._decode_lens.data_ptr(), kv_format)  # fmt: skip
+        f = {"kv_indices": self._kv_indices.data_ptr(), "kv_format": kv_format}
+        if self.decode_rows:
+            f.update(decode=self._decode_address, rows=self._q_rows.data_ptr(), kv_starts=self._kv_starts.data_ptr(),
+                     seq_lens=self._decode_lens.data_ptr(), n_decode=len(self.decode_rows),
+                     dec_seq=self._dec_seq.data_ptr())  # fmt: skip
+        if self.extends:
+            f.update(extend=self._extend_address, ext_q=self._ext_q.data_ptr(), ext_n=self._ext_n.data_ptr(),
+                     ext_starts=self._ext_kv.data_ptr(), ext_lens=self._ext_len.data_ptr(), n_extend=len(self.extends),
+                     ext_seq=self._ext_seq.data_ptr(), ones=self._ext_one.data_ptr())  # fmt: skip
+        return f
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         kv_format = _kernel_format(q, kv) if self.decode_rows or self.extends else None

@@ -1911,20 +1911,27 @@ int radixkv_native_layer(float *x, int64_t n, int64_t hidden, float eps, const f
     return 0;
 }
 
-/* ---- a decode step's layers in one call ----
+/* ---- a step's layers in one call ----
  *
- * For a native model's decode batch over a float32, bfloat16 or half KV pool with the CPU
- * attention kernel: every layer in turn, its new K/V rows written into the pool (what the
- * pool's store does: copied, or rounded to bfloat16 or half as torch rounds), its
- * attention through cpu_decode.c's radixkv_paged_decode (passed in as a function pointer
- * with the arguments CpuBackend.plan prepared, so the same kernel with the same
- * arguments), and radixkv_native_layer between attentions: the same computation,
- * bit for bit, as the layer loop in Python, without its per-layer calls. */
+ * For a native model's batch over a float32, bfloat16 or half KV pool where every
+ * sequence goes to a CPU attention kernel (decode rows to cpu_decode.c's
+ * radixkv_paged_decode, prefills and extends to radixkv_paged_extend, passed in as function
+ * pointers with the arguments CpuBackend.plan prepared, so the same kernels with the same
+ * arguments): every layer in turn, its new K/V rows written into the pool (what the pool's
+ * store does: copied, or rounded to bfloat16 or half as torch rounds), its attention, and
+ * radixkv_native_layer between attentions. Where only each sequence's last row is read,
+ * the last layer attends those rows alone (each kernel gives a row the same bits whatever
+ * else it computes) and the stretch after it runs on them. The same computation, bit for
+ * bit, as the layer loop in Python, without its per-layer calls and the waits of the
+ * threads between them. */
 
 typedef int (*attend_fn)(const float *, const void *, const void *, const void *, const void *, const float *,
                          const float *, const float *, const float *, const float *, const float *, const int64_t *,
                          const int64_t *, const int32_t *, const int32_t *, const int32_t *, float *, float *,
                          const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float, int64_t);
+typedef int (*extend_fn)(const float *, const void *, const void *, const int64_t *, const int32_t *, const int32_t *,
+                         const int32_t *, const int32_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                         int64_t, int64_t);
 
 typedef struct {  /* one layer, as weights.py describes it */
     qmat qkv, o, gate_up, down;
@@ -1934,13 +1941,22 @@ typedef struct {  /* one layer, as weights.py describes it */
     int64_t window;            /* sliding window in tokens, 0: none */
 } qlayer;
 
-typedef struct {  /* the attention kernel and this step's arguments to it (CpuBackend) */
-    attend_fn fn;
+typedef struct {  /* the attention kernels and this step's arguments to them (CpuBackend) */
+    attend_fn decode;          /* decode rows: query rows rows[i] of the step, i < n_decode */
     const int64_t *rows;
-    const int32_t *kv_starts, *kv_indices, *seq_lens;
+    const int32_t *kv_starts, *seq_lens;
+    int64_t n_decode;
+    extend_fn extend;          /* prefills and extends: ext_n[i] query rows from ext_q[i], i < n_extend */
+    const int64_t *ext_q;
+    const int32_t *ext_n, *ext_starts, *ext_lens;
+    int64_t n_extend;
+    const int32_t *kv_indices; /* both kernels' page table */
     int64_t page_size;
     float scale, softcap;
-    int64_t kv_format;  /* cpu_decode.c's: 0 float32 pages, 3 bfloat16, 4 half */
+    int64_t kv_format;         /* cpu_decode.c's: 0 float32 pages, 3 bfloat16, 4 half */
+    const int64_t *last;       /* NULL: every row is read; else last[j], sequence j's last row, alone past the last layer */
+    const int64_t *dec_seq, *ext_seq;  /* there: each decode row's and each extend's sequence (its row among last) */
+    const int32_t *ones;       /* n_extend ones: an extend's one row there */
 } attention;
 
 /* x rounded to bfloat16 as torch rounds (to nearest, ties to even; NaN stays a quiet NaN) */
@@ -1981,37 +1997,72 @@ static void store_row(void *cache, int64_t at, const float *src, int64_t n, int6
     for (int64_t e = 0; e < n; e++) dst[e] = kv_format == 4 ? to_fp16(src[e]) : to_bf16(src[e]);
 }
 
-/* x [n, hidden]: the embedded new tokens, updated in place to the last layer's residual;
- * slots[r]: token r's pool row. Returns 0; -2 when scratch cannot be allocated; the
- * attention kernel's own status otherwise. */
-int radixkv_native_decode(float *x, int64_t n, int64_t hidden, float eps, const qlayer *layers, int64_t nlayers,
-                          int64_t hq, int64_t hkv, int64_t d, int64_t rot, const float *cos, const float *sin,
-                          const int64_t *slots, const attention *att, int threads) {
-    const int64_t width = layers[0].qkv.rows, kv = hkv * d;
-    float *qkv = malloc(sizeof(float) * (size_t)(n * (width + 2 * hq * d)));
+/* a layer's attention for the step's n query rows q (or, with att->last, for the n_last
+ * rows q holds, sequence j's last row at j) into out */
+static int attend(const attention *att, const qlayer *l, const float *q, float *out, int last, int64_t hq,
+                  int64_t hkv, int64_t d) {
+    int status = 0;
+    if (att->n_extend)
+        status = att->extend(q, l->k_cache, l->v_cache, last ? att->ext_seq : att->ext_q,
+                             last ? att->ones : att->ext_n, att->ext_starts, att->kv_indices, att->ext_lens, out,
+                             att->n_extend, hq, hkv, d, att->page_size, att->scale, l->window, att->kv_format);
+    if (status == 0 && att->n_decode)
+        status = att->decode(q, l->k_cache, l->v_cache, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                             last ? att->dec_seq : att->rows, att->kv_starts, att->kv_indices, att->seq_lens, out,
+                             NULL, NULL, att->n_decode, hq, hkv, d, att->page_size, att->scale, l->window,
+                             att->softcap, att->kv_format);
+    return status;
+}
+
+/* floats of radixkv_native_forward's scratch for n rows (inter: the MLP's width, width:
+ * the q/k/v rows, q_width: the query heads' floats) */
+int64_t radixkv_native_forward_floats(int64_t n, int64_t hidden, int64_t inter, int64_t width, int64_t q_width) {
+    return n * (width + 2 * q_width) + radixkv_native_layer_floats(n, hidden, inter);
+}
+
+/* x [n, hidden]: the embedded new tokens, updated in place to the last layer's residual
+ * (with att->last: of the n_last rows read, in x's first rows); slots[r]: token r's pool
+ * row; scratch: the caller's buffer of scratch_floats, used where it holds
+ * radixkv_native_forward_floats (a prefill's tens of MB, allocated at every layer, would
+ * be fresh mappings faulted in again every time). Returns 0; -2 when scratch cannot be
+ * allocated; an attention kernel's own status otherwise. */
+int radixkv_native_forward(float *x, int64_t n, int64_t hidden, float eps, const qlayer *layers, int64_t nlayers,
+                           int64_t hq, int64_t hkv, int64_t d, int64_t rot, const float *cos, const float *sin,
+                           const int64_t *slots, const attention *att, int64_t n_last, float *scratch,
+                           int64_t scratch_floats, int threads) {
+    const int64_t width = layers[0].qkv.rows, kv = hkv * d, qw = hq * d;
+    const int64_t need = radixkv_native_forward_floats(n, hidden, layers[0].gate_up.rows / 2, width, qw);
+    float *own = scratch && scratch_floats >= need ? NULL : malloc(sizeof(float) * (size_t)need);
+    float *qkv = own ? own : scratch;
     if (!qkv) return -2;
-    float *q = qkv + n * width, *out = q + n * hq * d;
+    float *q = qkv + n * width, *out = q + n * qw, *rest = out + n * qw;
+    const int64_t rest_floats = need - n * (width + 2 * qw);
     int status = radixkv_native_layer(x, n, hidden, eps, NULL, NULL, NULL, NULL, NULL, layers[0].attn_norm,
                                       &layers[0].qkv, layers[0].qkv_bias, layers[0].q_norm, layers[0].k_norm, hq,
-                                      hkv, d, rot, cos, sin, qkv, NULL, 0, threads);
+                                      hkv, d, rot, cos, sin, qkv, rest, rest_floats, threads);
     for (int64_t i = 0; i < nlayers && status == 0; i++) {
         const qlayer *l = &layers[i], *next = i + 1 < nlayers ? &layers[i + 1] : NULL;
+        const int last = att->last && !next;  /* past here only the rows read */
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 64)
         for (int64_t r = 0; r < n; r++) {
             const float *row = qkv + r * width;
-            memcpy(q + r * hq * d, row, sizeof(float) * (size_t)(hq * d));
-            store_row(l->k_cache, slots[r] * kv, row + hq * d, kv, att->kv_format);
-            store_row(l->v_cache, slots[r] * kv, row + hq * d + kv, kv, att->kv_format);
+            store_row(l->k_cache, slots[r] * kv, row + qw, kv, att->kv_format);
+            store_row(l->v_cache, slots[r] * kv, row + qw + kv, kv, att->kv_format);
         }
-        status = att->fn(q, l->k_cache, l->v_cache, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, att->rows,
-                         att->kv_starts, att->kv_indices, att->seq_lens, out, NULL, NULL, n, hq, hkv, d,
-                         att->page_size, att->scale, l->window, att->softcap, att->kv_format);
+        const int64_t m = last ? n_last : n;
+        for (int64_t r = 0; r < m; r++) {
+            const int64_t from = last ? att->last[r] : r;
+            memcpy(q + r * qw, qkv + from * width, sizeof(float) * (size_t)qw);
+            if (last && from != r) memcpy(x + r * hidden, x + from * hidden, sizeof(float) * (size_t)hidden);
+        }
+        status = attend(att, l, q, out, last, hq, hkv, d);
         if (status == 0)
-            status = radixkv_native_layer(x, n, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
+            status = radixkv_native_layer(x, m, hidden, eps, out, &l->o, l->mlp_norm, &l->gate_up, &l->down,
                                           next ? next->attn_norm : NULL, next ? &next->qkv : NULL,
                                           next ? next->qkv_bias : NULL, next ? next->q_norm : NULL,
-                                          next ? next->k_norm : NULL, hq, hkv, d, rot, cos, sin, qkv, NULL, 0,
-                                          threads);
+                                          next ? next->k_norm : NULL, hq, hkv, d, rot, cos, sin, qkv, rest,
+                                          rest_floats, threads);
     }
-    free(qkv);
+    free(own);
     return status;
 }

@@ -81,11 +81,14 @@ class QLayer(ctypes.Structure):
 
 
 class Attention(ctypes.Structure):
-    """The CPU attention kernel and a step's arguments to it (``attention`` in ``qmatmul.c``)."""
+    """The CPU attention kernels and a step's arguments to them (``attention`` in
+    ``qmatmul.c``; ``CpuBackend.step_kernels`` gives them by name)."""
 
-    _fields_ = [("fn", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("kv_starts", ctypes.c_void_p),
-                ("kv_indices", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p), ("page_size", ctypes.c_int64),
-                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("kv_format", ctypes.c_int64)]  # fmt: skip
+    _p, _i = ctypes.c_void_p, ctypes.c_int64
+    _fields_ = [("decode", _p), ("rows", _p), ("kv_starts", _p), ("seq_lens", _p), ("n_decode", _i),
+                ("extend", _p), ("ext_q", _p), ("ext_n", _p), ("ext_starts", _p), ("ext_lens", _p), ("n_extend", _i),
+                ("kv_indices", _p), ("page_size", _i), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("kv_format", _i), ("last", _p), ("dec_seq", _p), ("ext_seq", _p), ("ones", _p)]  # fmt: skip
 
 
 _lock = threading.Lock()
@@ -135,9 +138,12 @@ def load_library(portable: bool = False) -> ctypes.CDLL:
             lib.radixkv_native_layer.restype = _int
             lib.radixkv_native_layer_floats.argtypes = [_i64, _i64, _i64]
             lib.radixkv_native_layer_floats.restype = _i64
-            lib.radixkv_native_decode.argtypes = [_ptr, _i64, _i64, f, ctypes.POINTER(QLayer), _i64, _i64, _i64, _i64,
-                                                  _i64, _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _int]  # fmt: skip
-            lib.radixkv_native_decode.restype = _int
+            lib.radixkv_native_forward.argtypes = [_ptr, _i64, _i64, f, ctypes.POINTER(QLayer), _i64, _i64, _i64,
+                                                   _i64, _i64, _ptr, _ptr, _ptr, ctypes.POINTER(Attention), _i64,
+                                                   _ptr, _i64, _int]  # fmt: skip
+            lib.radixkv_native_forward.restype = _int
+            lib.radixkv_native_forward_floats.argtypes = [_i64] * 5
+            lib.radixkv_native_forward_floats.restype = _i64
             _libraries[portable] = lib
         return _libraries[portable]
 
@@ -412,21 +418,31 @@ class Steps:
             raise MemoryError("the native layer could not allocate its scratch buffers")
         return qkv
 
-    def native_decode(self, x: torch.Tensor, layers: ctypes.Array, eps: float, heads: tuple[int, int, int],
-                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, attention: Attention) -> None:
-        """Every layer of a decode step in one call (``x``, the embedded tokens ``[n,
-        hidden]``, becomes the last layer's residual in place): per layer the new K/V rows
-        written into the float32, bfloat16 or half pool at ``slots`` (``[n]`` int64),
-        ``attention`` (the CPU kernel, ``CpuBackend.decode_kernel``), and ``native_layer``'s
-        stretch. ``layers``:
+    def native_forward(self, x: torch.Tensor, layers: ctypes.Array, eps: float, heads: tuple[int, int, int],
+                       cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, attention: Attention,
+                       last: torch.Tensor | None) -> torch.Tensor:
+        """Every layer of a step in one call (``x``, the embedded tokens ``[n, hidden]``,
+        becomes the last layer's residual in place): per layer the new K/V rows written
+        into the float32, bfloat16 or half pool at ``slots`` (``[n]`` int64), the
+        attention (``attention``: the CPU kernels, ``CpuBackend.step_kernels``), and
+        ``native_layer``'s stretch. ``last`` (int64, ascending; ``attention.last`` its
+        address): past the last layer's K/V only those rows, returned ``[len(last),
+        hidden]`` (a view of ``x``'s first rows); None: every row, ``x``. ``layers``:
         ``QLayer`` per layer; ``heads``: (query heads, KV heads, head dim); ``cos``/``sin``
         ``[n, rot]``, RoPE over the first ``rot`` dims of each head."""
         n, hidden = x.shape
         hq, hkv, d = heads
-        status = self._lib.radixkv_native_decode(x.data_ptr(), n, hidden, eps, layers, len(layers), hq, hkv, d,
-                                                 cos.shape[1], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                                 ctypes.byref(attention), torch.get_num_threads())  # fmt: skip
+        floats = self._lib.radixkv_native_forward_floats(n, hidden, layers[0].gate_up.rows // 2, layers[0].qkv.rows,
+                                                         hq * d)  # fmt: skip
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+        status = self._lib.radixkv_native_forward(x.data_ptr(), n, hidden, eps, layers, len(layers), hq, hkv, d,
+                                                  cos.shape[1], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                                  ctypes.byref(attention), 0 if last is None else len(last),
+                                                  self._scratch.data_ptr(), self._scratch.numel(),
+                                                  torch.get_num_threads())  # fmt: skip
         if status == -2:
-            raise MemoryError("the native decode step could not allocate its scratch buffers")
+            raise MemoryError("the native step could not allocate its scratch buffers")
         if status != 0:
-            raise RuntimeError(f"the cpu decode attention failed (status {status})")
+            raise RuntimeError(f"the cpu attention failed (status {status})")
+        return x if last is None else x[: len(last)]

@@ -357,26 +357,26 @@ def all_logits(model, ids):
 
 @pytest.mark.parametrize("backend, kv_dtype", [("auto", "fp32"), ("auto", "bf16"), ("auto", "fp16"), ("auto", "int8"),
                                                ("torch", "fp32")])  # fmt: skip
-def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, backend, kv_dtype, monkeypatch):
-    """Decode batches of a native model skip the Python layer loop: over float32, bfloat16
-    or half pages with the CPU attention kernel the whole step is one C call (its K/V
-    stores round to 16 bits as torch does), else one C call per layer's stretch between
-    attentions. Both must give the bits of the step-by-step loop (what decode rows of a
-    mixed batch take): logits and the KV written. Prefill and extend rows take one call
-    per stretch too (every matrix here gives a token the same bits on both paths): the
-    prompts' logits, an extend's logits on every row and their KV likewise."""
+def test_a_step_in_one_call_gives_the_bits_of_the_layer_loop(native, backend, kv_dtype, monkeypatch):
+    """A native model's steps skip the Python layer loop: over float32, bfloat16 or half
+    pages with the CPU attention kernels the whole step is one C call (its K/V stores
+    round to 16 bits as torch does), whether it holds prefills (only their last rows past
+    the last layer), decode rows, extends read on every row or decode rows beside an
+    extend; else one C call per layer's stretch between attentions. Both must give the
+    bits of the step-by-step loop: every step's logits and the KV written."""
     c = native.config
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (20, 33, 7)]
     runs, whole_steps = [], []
     steps = native._steps
-    monkeypatch.setattr(steps, "native_decode", lambda *a, f=steps.native_decode: whole_steps.append(1) or f(*a))
+    monkeypatch.setattr(steps, "native_forward", lambda *a, f=steps.native_forward: whole_steps.append(1) or f(*a))
     assert native._one_call_layers  # the embedded model takes the one-call paths
     for one_call in (True, False):
         native._one_call_layers = one_call
         pool = KVPool(PoolConfig(c.num_layers, c.num_kv_heads, c.head_dim, 16, kv_dtype=kv_dtype, num_pages=16))
         tables = [pool.alloc(4) for _ in prompts]
-        first = native.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool)
+        first = native.forward(ForwardBatch.build([SeqInput(p, 0, t) for p, t in zip(prompts, tables)], 16), pool,
+                               get_backend(backend))  # fmt: skip
         tokens, logits = [1, 2, 3], []
         for step in range(3):
             seqs = [SeqInput([tok], len(p) + step, t) for tok, p, t in zip(tokens, prompts, tables)]
@@ -384,11 +384,18 @@ def test_a_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(native, back
             tokens = logits[-1].argmax(-1).tolist()
         seqs = [SeqInput([tok, 5, 6, 7, 8], len(p) + 3, t) for tok, p, t in zip(tokens, prompts, tables)]
         extend = native.forward(ForwardBatch.build(seqs, 16), pool, get_backend(backend), all_logits=True)
-        runs.append((torch.cat([first, torch.cat(logits), extend]), pool.read_pages(np.concatenate(tables))))
+        # decode rows beside extends, the extends' last rows alone past the last layer
+        seqs = [SeqInput([9], len(prompts[0]) + 8, tables[0]), SeqInput([10, 11, 12], len(prompts[1]) + 8, tables[1]),
+                SeqInput([13], len(prompts[2]) + 8, tables[2])]  # fmt: skip
+        mixed = native.forward(ForwardBatch.build(seqs, 16), pool, get_backend(backend))
+        seqs[0], seqs[2] = SeqInput([14, 15], len(prompts[0]) + 9, tables[0]), SeqInput([16], len(prompts[2]) + 9, tables[2])
+        mixed2 = native.forward(ForwardBatch.build(seqs[::2], 16), pool, get_backend(backend))
+        runs.append((torch.cat([first, torch.cat(logits), extend, mixed, mixed2]),
+                     pool.read_pages(np.concatenate(tables))))  # fmt: skip
         pool.decref(np.concatenate(tables))
         pool.check_integrity()
         native._one_call_layers = True
-    assert len(whole_steps) == (3 if backend == "auto" and kv_dtype in ("fp32", "bf16", "fp16") else 0)
+    assert len(whole_steps) == (7 if backend == "auto" and kv_dtype in ("fp32", "bf16", "fp16") else 0)
     assert torch.equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
 
 
@@ -469,16 +476,19 @@ def test_a_layer_stretch_keeps_its_buffers_from_call_to_call(native):
     pool.check_integrity()
 
 
-@pytest.mark.parametrize("one_call", [True, False])
-def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(native, monkeypatch, one_call):
+@pytest.mark.parametrize("mode", ["step", "stretch", "loop"])
+def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(native, monkeypatch, mode):
     """Every new token's K/V is written in every layer, but only a sequence's last row is
     read past the last layer: its attention (the CPU kernels), output projection and MLP
     take those rows alone (a decode row, an extend's last, a prefill's last), and the
     logits are the bits every row's forward gives those rows; the pool's pages are the
-    same too. Whether a layer's stretch between attentions is one C call or step by step."""
+    same too. Whether the whole step is one C call, a layer's stretch between attentions
+    is one, or the steps go one by one."""
     c = native.config
-    monkeypatch.setattr(native, "_no_routing", one_call)
+    monkeypatch.setattr(native, "_no_routing", mode != "loop")
     backend = get_backend("cpu")
+    if mode == "stretch":  # no kernels for the model to call itself: a call per stretch
+        monkeypatch.setattr(backend, "step_kernels", lambda kv, last: None)
     attended = []  # rows of each attention call
     monkeypatch.setattr(type(backend), "forward", lambda self, q, *a, f=type(backend).forward, **kw:
                         attended.append(len(q)) or f(self, q, *a, **kw))  # fmt: skip
@@ -501,19 +511,26 @@ def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(
         pool.check_integrity()
         return (logits[(batch.qo_indptr[1:] - 1).long()] if all_rows else logits), kv, list(calls), list(attended)
 
-    calls = []  # rows of each product called from Python, or of each one-call stretch
+    calls = []  # rows of each product called from Python, or of each one-call stretch or step
     monkeypatch.setattr(weights.PackedMatrix, "linear", lambda self, x, threads=None, dense=None,
                         f=weights.PackedMatrix.linear: calls.append(len(x)) or f(self, x, threads, dense))  # fmt: skip
     steps = native._steps
     monkeypatch.setattr(steps, "native_layer", lambda x, *a, f=steps.native_layer: calls.append(("stretch", len(x)))
                         or f(x, *a))  # fmt: skip
+    monkeypatch.setattr(steps, "native_forward", lambda x, *a, f=steps.native_forward: calls.append(
+        ("step", len(x), None if a[-1] is None else len(a[-1]))) or f(x, *a))  # fmt: skip
     read, kv_read, calls_read, attended_read = run(False)
     every, kv_every, calls_every, attended_every = run(True)
     assert torch.equal(read, every) and np.array_equal(kv_read, kv_every)
     rows = 1 + 40 + 33
+    if mode == "step":  # the attention kernels called from C; then the head
+        assert attended_every == attended_read == []
+        assert calls_every == [("step", rows, None), rows] and calls_read == [("step", rows, 3), 3]
+        assert read.shape[0] == 3
+        return
     assert attended_every == [rows] * c.num_layers
     assert attended_read == [rows] * (c.num_layers - 1)  # the last layer's three rows: forward_rows, in the kernels
-    if one_call:  # the first layer's norm and q/k/v, each stretch after an attention; the head
+    if mode == "stretch":  # the first layer's norm and q/k/v, each stretch after an attention; the head
         assert calls_every == [("stretch", rows)] * (c.num_layers + 1) + [rows]
         assert calls_read == [("stretch", rows)] * c.num_layers + [("stretch", 3), 3]
         return

@@ -116,7 +116,7 @@ class LlamaModel:
         self._act = _ACTIVATIONS[config.hidden_act]
         self._steps = Steps() if native_cpu else None  # a native model's elementwise steps, in C
         # decode batches run each layer's stretch between attentions in one C call, on packed matrices alone
-        self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_decode)
+        self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_forward)
         self._one_call_layers = (native_cpu and all(isinstance(getattr(w, n), PackedMatrix)
                                          for w in layers for n in ("qkv", "o", "gate_up", "down")))  # fmt: skip
         # and prefill and extend rows too where no matrix needs its rows routed by sequence
@@ -232,15 +232,11 @@ class LlamaModel:
             x = x * torch.tensor(cfg.embed_scale).to(x.dtype)
         head = _linear
         last = None if all_logits else (batch.qo_indptr[1:] - 1).long()  # the rows whose logits are read
-        if self._one_call_layers and all(n == 1 for n in batch.qo_lens):  # a row per sequence: all of them read
-            x = self._native_decode_layers(x, batch, pool, backend, cos, sin)
-            head = partial(_linear, dense=False)  # decode rows alone: the kernel throughout
-        elif self._steps is not None:  # native on the CPU: the layers return the rows read
-            # a layer's stretch in one call where no matrix needs its rows routed by sequence
-            layers = self._native_layers_in_calls if self._one_call_layers and self._no_routing else self._native_layers
-            x = layers(x, batch, pool, backend, cos, sin, last)
-            # every row: routed as the layers; a row per sequence: the kernel
-            head = _routed_linear(batch) if all_logits else partial(_linear, dense=False)
+        if self._steps is not None:  # native on the CPU: the layers return the rows read
+            decode = all(n == 1 for n in batch.qo_lens)  # a row per sequence: all of them read
+            x = self._native_step(x, batch, pool, backend, cos, sin, None if decode else last, decode)
+            # every row of prefills: routed as the layers; a row per sequence: the kernel
+            head = _routed_linear(batch) if all_logits and not decode else partial(_linear, dense=False)
         else:
             local = self._rope(batch.positions, local=True) if cfg.local_rope_theta is not None else rope
             x = self._dense_layers(x, batch, pool, backend, rope, local)
@@ -347,27 +343,29 @@ class LlamaModel:
             qkv = steps.native_layer(x, o.reshape(-1, hq * d).contiguous(), w, nxt, *args)
         return x
 
-    def _native_decode_layers(self, x, batch, pool, backend, cos, sin) -> torch.Tensor:
-        """``_native_layers`` for a batch of decode rows (one new token per sequence) of a
-        native model whose matrices are all packed: between two attentions, one C call
-        (``Steps.native_layer``) does the output projection, residual, MLP norm, MLP,
-        residual, the next layer's norm, q/k/v projection, q/k norms and RoPE, with the
-        same arithmetic, bit for bit, as the step-by-step loop on the kernel path; it saves a decode step the Python and thread wake-ups of
-        seven calls per layer. Over float32, bfloat16 or half pages with the CPU attention kernel
-        (``CpuBackend.decode_kernel``) the whole step is one call (``Steps.native_decode``:
-        the K/V stores and that kernel too, with the same arguments, so the same bits)."""
-        cfg, steps, layers = self.config, self._steps, self.layers
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = cos.reshape(-1, cfg.rotary_dims).contiguous(), sin.reshape(-1, cfg.rotary_dims).contiguous()
+    def _native_step(self, x, batch, pool, backend, cos, sin, last, decode: bool) -> torch.Tensor:
+        """``_native_layers`` in as few calls as the batch allows (``decode``: one new token
+        per sequence). Where every matrix is packed (and, for prefill and extend rows, gives
+        a token the same bits on both paths) and the CPU attention kernels read the pool's
+        float32, bfloat16 or half pages for every sequence (``CpuBackend.step_kernels``):
+        the whole step is one call (``Steps.native_forward``: the K/V stores and those
+        kernels too, with the same arguments, so the same bits), without the Python layer
+        loop and the threads' waits between its calls. Else, where the matrices allow it,
+        one call per layer's stretch between attentions (``_native_layers_in_calls``)."""
+        if not (self._one_call_layers and (decode or self._no_routing)):
+            return self._native_layers(x, batch, pool, backend, cos, sin, last)
+        cfg, steps = self.config, self._steps
         x = x.contiguous()
-        kernel = backend.decode_kernel(pool.view(0))
-        if kernel is not None:  # the CPU attention kernel over pages it reads: the whole step in one call
-            fn, rows, starts, indices, lens, kv_format = kernel
-            attention = Attention(fn, rows, starts, indices, lens, pool.page_size, cfg.attn_scale, 0.0, kv_format)
-            steps.native_decode(x, self._described_layers(pool), cfg.rms_norm_eps, (hq, hkv, d), cos, sin,
-                                batch.out_slots.contiguous(), attention)  # fmt: skip
-            return x
-        return self._native_layers_in_calls(x, batch, pool, backend, cos, sin, None)
+        kernels = backend.step_kernels(pool.view(0), last is not None)
+        if kernels is None:
+            return self._native_layers_in_calls(x, batch, pool, backend, cos, sin, last)
+        cos, sin = cos.reshape(-1, cfg.rotary_dims).contiguous(), sin.reshape(-1, cfg.rotary_dims).contiguous()
+        last = None if last is None else last.to("cpu", torch.int64).contiguous()
+        attention = Attention(**kernels, page_size=pool.page_size, scale=cfg.attn_scale, softcap=0.0,
+                              last=None if last is None else last.data_ptr())  # fmt: skip
+        return steps.native_forward(x, self._described_layers(pool), cfg.rms_norm_eps,
+                                    (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cos, sin,
+                                    batch.out_slots.contiguous(), attention, last)  # fmt: skip
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``: views of a native layer's ``qkv`` rows."""
@@ -377,7 +375,7 @@ class LlamaModel:
         return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
 
     def _described_layers(self, pool: KVPool) -> ctypes.Array:
-        """The layers with ``pool``'s pages as ``Steps.native_decode`` takes them
+        """The layers with ``pool``'s pages as ``Steps.native_forward`` takes them
         (kept for the last pool: its tensors live as long as it does)."""
         cached = self._described
         if cached is not None and cached[0]() is pool:
