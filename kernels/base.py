@@ -89,7 +89,7 @@ class AttentionBackend:
         with the bits ``forward`` gives them."""
         return self.forward(q, k, v, kv, scale, sliding_window, logit_softcap)[rows]
 
-    def step_kernels(self, kv, last: bool) -> dict[str, int] | None:
+    def step_kernels(self, kv) -> dict[str, int] | None:
         """C kernels a model may call itself for this plan's attention over ``kv`` (a
         layer's view) in every layer, as ``CpuBackend`` offers them; None here: call
         ``forward``."""

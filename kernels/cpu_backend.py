@@ -137,12 +137,12 @@ class CpuBackend(TorchBackend):
             self._ext_len = torch.tensor([batch.seq_lens[i] for i in ext], dtype=torch.int32)
             self._ext_seq, self._ext_one = idx, torch.ones(len(ext), dtype=torch.int32)  # forward_rows: last rows
 
-    def step_kernels(self, kv, last: bool) -> dict[str, int] | None:
+    def step_kernels(self, kv) -> dict[str, int] | None:
         """For a model that runs a whole step's layers in C (``radixkv_native_forward``):
         the addresses of the two kernels and of this plan's arrays for them (alive until the
         next plan), their counts and the kernel's code for the pages' format, as
-        ``Attention``'s fields by name; ``last``: past the last layer only each sequence's
-        last row is read (``forward_rows``' arrays too). When every sequence goes to a
+        ``Attention``'s fields by name (``forward_rows``' arrays too, for a model that reads
+        only each sequence's last row past the last layer). When every sequence goes to a
         kernel (decode rows to the decode kernel, prefills and extends to the extend
         kernel), nothing is observed and ``kv`` (a layer's view; every layer's is alike)
         holds float32, bfloat16 or half pages both read; else None."""

@@ -115,7 +115,7 @@ class LlamaModel:
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # by local (sliding layers' own base)
         self._act = _ACTIVATIONS[config.hidden_act]
         self._steps = Steps() if native_cpu else None  # a native model's elementwise steps, in C
-        # decode batches run each layer's stretch between attentions in one C call, on packed matrices alone
+        # a step's layers run in C calls (one in all, or one a stretch between attentions) on packed matrices alone
         self._described: tuple | None = None  # (weakref to a pool, its layers for Steps.native_forward)
         self._one_call_layers = (native_cpu and all(isinstance(getattr(w, n), PackedMatrix)
                                          for w in layers for n in ("qkv", "o", "gate_up", "down")))  # fmt: skip
@@ -356,7 +356,7 @@ class LlamaModel:
             return self._native_layers(x, batch, pool, backend, cos, sin, last)
         cfg, steps = self.config, self._steps
         x = x.contiguous()
-        kernels = backend.step_kernels(pool.view(0), last is not None)
+        kernels = backend.step_kernels(pool.view(0))
         if kernels is None:
             return self._native_layers_in_calls(x, batch, pool, backend, cos, sin, last)
         cos, sin = cos.reshape(-1, cfg.rotary_dims).contiguous(), sin.reshape(-1, cfg.rotary_dims).contiguous()
