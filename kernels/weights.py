@@ -63,6 +63,10 @@ def check_activation_bits(bits) -> int:
         raise ValueError(f"activation_bits must be one of {', '.join(map(str, ACTIVATION_CODES))}, got {bits!r}")
     return bits
 
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
 class QMat(ctypes.Structure):
     """A matrix as the C code describes it (``qmat`` in ``qmatmul.c``)."""
 
@@ -84,16 +88,15 @@ class Attention(ctypes.Structure):
     """The CPU attention kernels and a step's arguments to them (``attention`` in
     ``qmatmul.c``; ``CpuBackend.step_kernels`` gives them by name)."""
 
-    _p, _i = ctypes.c_void_p, ctypes.c_int64
-    _fields_ = [("decode", _p), ("rows", _p), ("kv_starts", _p), ("seq_lens", _p), ("n_decode", _i),
-                ("extend", _p), ("ext_q", _p), ("ext_n", _p), ("ext_starts", _p), ("ext_lens", _p), ("n_extend", _i),
-                ("kv_indices", _p), ("page_size", _i), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("kv_format", _i), ("last", _p), ("dec_seq", _p), ("ext_seq", _p), ("ones", _p)]  # fmt: skip
+    _fields_ = [("decode", _ptr), ("rows", _ptr), ("kv_starts", _ptr), ("seq_lens", _ptr), ("n_decode", _i64),
+                ("extend", _ptr), ("ext_q", _ptr), ("ext_n", _ptr), ("ext_starts", _ptr), ("ext_lens", _ptr),
+                ("n_extend", _i64), ("kv_indices", _ptr), ("page_size", _i64), ("scale", ctypes.c_float),
+                ("softcap", ctypes.c_float), ("kv_format", _i64), ("last", _ptr), ("dec_seq", _ptr), ("ext_seq", _ptr),
+                ("ones", _ptr)]  # fmt: skip
 
 
 _lock = threading.Lock()
 _libraries: dict[bool, ctypes.CDLL] = {}
-_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
 def load_library(portable: bool = False) -> ctypes.CDLL:
@@ -351,7 +354,13 @@ class Steps:
 
     def __init__(self) -> None:
         self._lib = load_library()
-        self._scratch = torch.empty(0)  # native_layer's buffers, kept from call to call (grown as needed)
+        self._scratch = torch.empty(0)  # native_layer's and native_forward's buffers, kept from call to call
+
+    def _scratch_of(self, floats: int) -> torch.Tensor:
+        """The kept scratch, grown to at least ``floats`` float32 first."""
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+        return self._scratch
 
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """With ``add``: ``x += add`` in place first. Returns RMSNorm(x) * weight."""
@@ -406,13 +415,12 @@ class Steps:
             before = (next_layer.attn_norm.data_ptr(), ctypes.byref(next_layer.qkv.described),
                       *(None if t is None else t.data_ptr()
                         for t in (next_layer.qkv_bias, next_layer.q_norm, next_layer.k_norm)))  # fmt: skip
-        floats = self._lib.radixkv_native_layer_floats(n, hidden, 0 if layer is None else layer.gate_up.shape[0] // 2)
-        if self._scratch.numel() < floats:
-            self._scratch = torch.empty(floats, dtype=torch.float32)
+        inter = 0 if layer is None else layer.gate_up.shape[0] // 2
+        scratch = self._scratch_of(self._lib.radixkv_native_layer_floats(n, hidden, inter))
         status = self._lib.radixkv_native_layer(
             x.data_ptr(), n, hidden, eps, None if attn is None else attn.data_ptr(), *after, *before, *heads, head_dim,
             cos.shape[1], cos.data_ptr(), sin.data_ptr(), None if qkv is None else qkv.data_ptr(),
-            self._scratch.data_ptr(), self._scratch.numel(), torch.get_num_threads(),
+            scratch.data_ptr(), scratch.numel(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the native layer could not allocate its scratch buffers")
@@ -425,22 +433,21 @@ class Steps:
         becomes the last layer's residual in place): per layer the new K/V rows written
         into the float32, bfloat16 or half pool at ``slots`` (``[n]`` int64), the
         attention (``attention``: the CPU kernels, ``CpuBackend.step_kernels``), and
-        ``native_layer``'s stretch. ``last`` (int64, ascending; ``attention.last`` its
-        address): past the last layer's K/V only those rows, returned ``[len(last),
+        ``native_layer``'s stretch. ``last`` (contiguous int64, ascending; set as
+        ``attention.last``): past the last layer's K/V only those rows, returned ``[len(last),
         hidden]`` (a view of ``x``'s first rows); None: every row, ``x``. ``layers``:
         ``QLayer`` per layer; ``heads``: (query heads, KV heads, head dim); ``cos``/``sin``
         ``[n, rot]``, RoPE over the first ``rot`` dims of each head."""
         n, hidden = x.shape
         hq, hkv, d = heads
-        floats = self._lib.radixkv_native_forward_floats(n, hidden, layers[0].gate_up.rows // 2, layers[0].qkv.rows,
-                                                         hq * d)  # fmt: skip
-        if self._scratch.numel() < floats:
-            self._scratch = torch.empty(floats, dtype=torch.float32)
+        first = layers[0]
+        scratch = self._scratch_of(self._lib.radixkv_native_forward_floats(n, hidden, first.gate_up.rows // 2,
+                                                                           first.qkv.rows, hq * d))  # fmt: skip
+        attention.last = None if last is None else last.data_ptr()
         status = self._lib.radixkv_native_forward(x.data_ptr(), n, hidden, eps, layers, len(layers), hq, hkv, d,
                                                   cos.shape[1], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                                   ctypes.byref(attention), 0 if last is None else len(last),
-                                                  self._scratch.data_ptr(), self._scratch.numel(),
-                                                  torch.get_num_threads())  # fmt: skip
+                                                  scratch.data_ptr(), scratch.numel(), torch.get_num_threads())  # fmt: skip
         if status == -2:
             raise MemoryError("the native step could not allocate its scratch buffers")
         if status != 0:

@@ -361,8 +361,7 @@ class LlamaModel:
             return self._native_layers_in_calls(x, batch, pool, backend, cos, sin, last)
         cos, sin = cos.reshape(-1, cfg.rotary_dims).contiguous(), sin.reshape(-1, cfg.rotary_dims).contiguous()
         last = None if last is None else last.to("cpu", torch.int64).contiguous()
-        attention = Attention(**kernels, page_size=pool.page_size, scale=cfg.attn_scale, softcap=0.0,
-                              last=None if last is None else last.data_ptr())  # fmt: skip
+        attention = Attention(**kernels, page_size=pool.page_size, scale=cfg.attn_scale, softcap=0.0)
         return steps.native_forward(x, self._described_layers(pool), cfg.rms_norm_eps,
                                     (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cos, sin,
                                     batch.out_slots.contiguous(), attention, last)  # fmt: skip
