@@ -13,6 +13,10 @@ replica's cache flushed before each workload:
     one-cache        one `radixkv serve` whose pool holds the three replicas' capacities together:
                      the hit-rate reference
 
+Each replica runs its kernels on the machine's cores shared out (``--threads`` as
+``radixkv serve --replicas`` gives them: cores / replicas, at least one; ``--replica-threads``
+to set it), one-cache on all of them.
+
 With ``--store-bytes N`` the replicas also share one LMDB store of N bytes, written
 through (a page one replica computed is found by the others: cross-replica reuse), and
 one-cache gets a store of its own of the same size (the sum of the capacities is then
@@ -54,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from radixkv import workloads as W  # noqa: E402
 from radixkv.server.process import ServerProcess, free_port, launch, stop  # noqa: E402
+from radixkv.server.serve import cpu_count, replica_threads  # noqa: E402
 
 SYSTEMS = ("round-robin", "approx", "events", "sglang", "one-cache")
 MIXED = ("multi_turn", "rag", "agent")
@@ -178,8 +183,14 @@ def main(argv=None) -> int:
                     help="workload seeds (comma-separated); each seed runs every system in turn, and the summary "
                          "gives medians over seeds")
     ap.add_argument("--router-args", default="", help="more flags for radixkv router ('--load-weight 0.1')")
+    ap.add_argument("--replica-threads", type=int, default=None,
+                    help="each replica's kernel threads (default: the cores / replicas, at least 1, as radixkv serve "
+                         "--replicas gives them)")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = ap.parse_args(argv)
+    if args.replica_threads is not None and args.replica_threads < 1:
+        ap.error(f"--replica-threads must be >= 1, got {args.replica_threads}")
+    threads = args.replica_threads or replica_threads(args.replicas)
     scale = {"tiny": W.TINY, "small": W.SMALL, "full": W.FULL}[args.scale]
     systems = args.systems.split(",")
     for s in systems:
@@ -212,7 +223,8 @@ def main(argv=None) -> int:
     try:
         for i in range(args.replicas):
             ev, rp = free_port(), free_port()
-            replicas.append(ServerProcess("--kv-cache-tokens", str(args.kv_tokens), "--kv-events", f"tcp://127.0.0.1:{ev}",
+            replicas.append(ServerProcess("--kv-cache-tokens", str(args.kv_tokens), "--threads", str(threads),
+                                          "--kv-events", f"tcp://127.0.0.1:{ev}",
                                           "--kv-events-replay", f"tcp://127.0.0.1:{rp}",
                                           *store_args(stores / "shared", args.store_bytes),
                                           log_path=logs / f"replica-{i}.log"))  # fmt: skip
@@ -248,7 +260,8 @@ def main(argv=None) -> int:
         r["of_one_cache"] = 100 * r["hit_rate"] / ref[key] if ref.get(key) else None
         r["x_round_robin"] = r["tok_s"] / rr[key] if rr.get(key) else None
     store = f", a shared {args.store_bytes / 1e6:.0f} MB LMDB store" if args.store_bytes else ""
-    print(f"\nrouters over {args.replicas} radixkv replicas ({args.kv_tokens} KV tokens each{store}), scale {args.scale}, "
+    print(f"\nrouters over {args.replicas} radixkv replicas ({args.kv_tokens} KV tokens and {threads} threads each, "
+          f"one-cache at the default{store}; {cpu_count()} cores), scale {args.scale}, "
           f"seeds {args.seeds}, {date.today()}, {platform.machine()} {platform.processor() or ''}\n")  # fmt: skip
     print("| workload | system | seed | wall s | output tok/s | x round robin | req/s | TTFT p50 s | TTFT p99 s | hit rate | % of one cache |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -276,8 +289,8 @@ def main(argv=None) -> int:
                 print(f"| {wname} | {system} | {100 * med['hit_rate']:.1f}% | {of_s} | {x_rr} |")
     path = out / "bench_router.json"
     path.write_text(json.dumps({"date": str(date.today()), "scale": args.scale, "replicas": args.replicas,
-                                "kv_tokens": args.kv_tokens, "store_bytes": args.store_bytes, "seeds": seeds,
-                                "rows": rows, "medians": summary}, indent=1))  # fmt: skip
+                                "kv_tokens": args.kv_tokens, "replica_threads": threads, "store_bytes": args.store_bytes,
+                                "seeds": seeds, "rows": rows, "medians": summary}, indent=1))  # fmt: skip
     print(f"\nJSON: {path}")
     return 0
 

@@ -21,7 +21,9 @@ import pytest
 
 from radixkv.cache.events import BlockIndex, BlockRemoved, BlockStored, KVEventBatch, block_hashes
 from radixkv.server.process import launch, stop
+from radixkv.errors import FieldError
 from radixkv.server.router import Choice, Replica, TextTree, choose_approx, choose_by_cost
+from radixkv.server.serve import replica_threads, shared_threads
 
 PAGE = 16
 
@@ -257,6 +259,17 @@ def test_metric_labels_are_escaped():
     assert 'radixkv_router_replica_up{replica="http://127.0.0.1:1/a\\"b\\\\c"} 0' in text
 
 
+def test_replicas_share_the_cores_unless_told():
+    assert [replica_threads(n, cpus=8) for n in (1, 2, 3, 8, 9)] == [8, 4, 2, 1, 1]
+    assert replica_threads(3, cpus=2) == 1
+    assert shared_threads(None, 3, {}, cpus=8) == ["--threads", "2"]
+    # a --threads setting (passed on with the other flags) or $OMP_NUM_THREADS wins
+    assert shared_threads(4, 3, {}, cpus=8) == []
+    assert shared_threads(None, 3, {"OMP_NUM_THREADS": "4"}, cpus=8) == []
+    with pytest.raises(FieldError, match=r"replicas must be >= 1, got 0"):
+        replica_threads(0, cpus=8)
+
+
 # -- real processes -------------------------------------------------------------------------------------------------
 
 
@@ -301,6 +314,8 @@ def test_replicas_publish_events_and_the_router_uses_them(cluster):
     _, _, http, state = cluster
     assert state["mode"] == "events" and len(state["replicas"]) == 3
     assert all(r["up"] and r["events"] for r in state["replicas"])
+    # the tests' $OMP_NUM_THREADS (conftest) reached every replica: one thread each
+    assert [httpx.get(r["url"] + "/stats").json()["threads"] for r in state["replicas"]] == [1, 1, 1]
 
 
 def test_router_index_equals_replicas_at_idle(cluster):

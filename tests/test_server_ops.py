@@ -45,7 +45,7 @@ def ops_server(tmp_path_factory):
     started = time.monotonic()
     try:
         server = ServerProcess("--config", str(config), "--log-level", "info", "--max-body-bytes", "300000",
-                               "--access-log", str(d / "access.jsonl"), log_path=d / "server.log")  # fmt: skip
+                               "--threads", "2", "--access-log", str(d / "access.jsonl"), log_path=d / "server.log")  # fmt: skip
     finally:
         for k, v in saved.items():
             if v is None:
@@ -116,6 +116,7 @@ def test_startup_errors_arrive_before_the_model_loads(ops_server, tmp_path):
         (["--config", str(tmp_path / "nope.toml")], "cannot be read"),
         (["--policy", "mru"], "--policy must be one of"),
         (["--port", "70000"], "--port must be in"),
+        (["--threads", "0"], "threads must be in [1, 1024], got 0"),
     ]
     import torch
 
@@ -136,7 +137,7 @@ def test_startup_summary_and_pool_warning(ops_server):
     log = log_text(ops_server)
     port = ops_server.url.rsplit(":", 1)[1]
     for line in (f"model: {NAME} (", "weights: native (Q8_0 x 1, float32 x 61, Q4_1 x 120), 96.6 MB",
-                 "; activations float32 (rounded to 16-bit codes per block of 32); KV dtype: fp32; device: cpu",
+                 "; activations float32 (rounded to 16-bit codes per block of 32); KV dtype: fp32; device: cpu, 2 threads",
                  f"KV pool: {POOL_TOKENS // 16} pages x 16 tokens = {POOL_TOKENS} tokens", "page size: 16",
                  "attention backend: torch", f"listening on http://127.0.0.1:{port}"):  # fmt: skip
         assert line in log, line
@@ -152,6 +153,8 @@ def test_startup_summary_and_pool_warning(ops_server):
 def test_precedence_flags_over_env_over_file(ops_server, http):
     # served_model_name: the file alone
     assert http.get("/v1/models").json()["data"][0]["id"] == NAME
+    # threads: the flag over $OMP_NUM_THREADS (1 in the tests, conftest)
+    assert http.get("/stats").json()["threads"] == 2
     # api_key: the environment
     assert httpx.get(ops_server.url + "/v1/models").status_code == 401
     # max_fanout: file 5 < env 6 (env wins)

@@ -18,6 +18,7 @@ from radixkv.validate import check_float, check_int, check_optional_int
 WEIGHTS = ("auto", "native", "fp32", "bf16", "fp16")
 DEFAULT_KV_MEMORY_SHARE = 0.25  # of the memory available after loading: the KV pool when no size is given
 MAX_KV_MEMORY_SHARE = 0.95
+MAX_THREADS = 1024  # a sanity bound on the threads setting (torch refuses nothing)
 PARTIAL_PAGES = ("auto", "on", "off")  # EngineConfig.partial_pages
 KV_COMMIT = ("auto", "upfront", "lazy")  # when the CPU pool's memory is committed: EngineConfig.kv_commit
 DENSE_WEIGHTS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -48,6 +49,9 @@ class EngineConfig:
     kv_memory_share: float | None = None  # (0, 0.95]; None: DEFAULT_KV_MEMORY_SHARE unless a size is given
     kv_commit: str = "auto"  # auto | upfront | lazy: when the CPU pool's memory is committed (see above)
     device: str = "cpu"
+    # CPU threads of the model's kernels (torch's intra-op threads, which radixkv's C kernels
+    # take too; process-wide); None: torch's default (OMP_NUM_THREADS, else the cores)
+    threads: int | None = None
     dtype: str = "float32"  # weights and activations
     # weights: native (a GGUF's quantized blocks read in place; activations float32 on the CPU, float32,
     # bfloat16 or float16 on CUDA), fp32 / bf16 / fp16 (expanded to that dtype: sets dtype; fp32 is the
@@ -127,6 +131,7 @@ class EngineConfig:
             check_int(name, getattr(self, name), 1)
         for name in ("kv_cache_tokens", "memory_bytes", "chunked_prefill_size", "host_cache_bytes", "context_length"):
             check_optional_int(name, getattr(self, name), 1)
+        check_optional_int("threads", self.threads, 1, MAX_THREADS)
         sizes = [n for n in ("kv_cache_tokens", "memory_bytes", "kv_memory_share") if getattr(self, n) is not None]
         if len(sizes) > 1:
             raise ValueError(f"give at most one of kv_cache_tokens, memory_bytes and kv_memory_share (got {', '.join(sizes)})")

@@ -66,6 +66,9 @@ class EngineLoop:
 
     def __init__(self, config: EngineConfig, send: Callable[[Output], None], tokenizer: Tokenizer | None = None):
         self.config = cfg = config
+        if cfg.threads is not None:  # before anything runs a kernel: the weights' loaders use them too
+            torch.set_num_threads(cfg.threads)
+        self.threads = torch.get_num_threads()
         source = resolve_model(cfg.model)
         native = cfg.native_weights(source)
         if cfg.activation_bits != 16 and not native:
@@ -384,6 +387,7 @@ class EngineLoop:
             "generated_tokens": self.generated_tokens,
             "preemptions": self.scheduler.preemptions,
             "weights": self.weights,
+            "threads": self.threads,
             "pool": {"pages": self.pool.num_pages, "free": self.pool.num_free(), "page_size": self.pool.page_size,
                      "kv_format": self.pool.identity, "bytes_per_page": self.pool.config.bytes_per_page,
                      "staged_pages": self.pool.sealer.staged_pages() if self.pool.sealer else 0},

@@ -276,7 +276,7 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         f"model: {model_name} ({plan.model_path}), {plan.num_layers} layers, context {engine.max_context} tokens",
         f"weights: {_weights_line(engine.loop.weights)}; activations {cfg.dtype}"
         f"{_rounding(engine.loop.weights)}; KV dtype: "
-        f"{pool.format.name}; device: {cfg.device}",
+        f"{pool.format.name}; device: {cfg.device}{_threads_note(engine)}",
         f"KV pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.num_pages * pool.page_size} tokens, "
         f"{_size(pool.num_pages * pool.config.bytes_per_page)} ({_size(pool.config.bytes_per_page)} a page)"
         f"{_share_note(engine)}{_commit_note(pool)}",
@@ -287,6 +287,12 @@ def summary(engine, plan: Plan, model_name: str, host: str, port: int, load_seco
         f"loaded in {load_seconds:.2f} s",
         f"listening on http://{host}:{port}",
     ]
+
+
+def _threads_note(engine) -> str:
+    """``, 2 threads`` on the CPU: how many the kernels run on (``threads``)."""
+    n = engine.loop.threads
+    return f", {n} thread{'s' if n != 1 else ''}" if str(engine.config.device).startswith("cpu") else ""
 
 
 def _share_note(engine) -> str:

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import gc
 import logging
+import os
 import signal
 import time
 
@@ -19,6 +20,7 @@ from radixkv.engine.config import KV_COMMIT, PARTIAL_PAGES, WEIGHTS
 from radixkv.engine.engine import EngineConfig
 from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
+from radixkv.validate import check_int
 
 HELP = {
     "model": "registry name (see README), GGUF file or HF model directory",
@@ -31,6 +33,9 @@ HELP = {
                  "do, so no request pays a page's first write), lazy (as the cache first fills it: resident memory "
                  "only as used), auto: upfront for --kv-cache-tokens or --memory-bytes, lazy for a share",
     "device": "torch device: cpu, cuda, cuda:1 ...",
+    "threads": "CPU threads for the model's kernels (torch's intra-op threads, which radixkv's C kernels take too); "
+               "default: $OMP_NUM_THREADS, else the cores; with --replicas N each replica gets the cores / N (at "
+               "least 1) unless this or $OMP_NUM_THREADS says otherwise",
     "dtype": "weights and activations dtype: float32, bfloat16, float16",
     "weights": "native: a quantized GGUF's blocks read as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
                "on the CPU float32 activations rounded to 16-bit integers per block of 32; on CUDA float32, bfloat16 "
@@ -226,11 +231,36 @@ def replica_flags(engine_config: EngineConfig, server_config: ServerConfig) -> l
     return out
 
 
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def replica_threads(n: int, cpus: int | None = None) -> int:
+    """Kernel threads for each of ``n`` replicas on ``cpus`` cores (default: this
+    process's): the cores shared out, at least one each. With every replica at torch's
+    default, n OpenMP teams of all the cores share them: a team's threads spin at each
+    barrier while the thread they wait for is descheduled (README, "Replicas")."""
+    check_int("replicas", n, 1)
+    return max(1, (cpus or cpu_count()) // n)
+
+
+def shared_threads(threads: int | None, n: int, environ, cpus: int | None = None) -> list[str]:
+    """The ``--threads`` flag each of ``n`` replicas gets when neither ``threads`` (the
+    setting, which replica_flags passes on) nor ``$OMP_NUM_THREADS`` says: the cores
+    shared out (``replica_threads``); else none."""
+    if threads is not None or environ.get("OMP_NUM_THREADS"):
+        return []
+    return ["--threads", str(replica_threads(n, cpus))]
+
+
 def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, n: int) -> int:
     """``radixkv serve --replicas N``: N servers with these settings on free loopback ports,
     each publishing KV events (with a replay socket), then ``radixkv router`` on
     ``--host``/``--port`` in front of them until SIGINT/SIGTERM; the replicas stop with it."""
-    import os
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
@@ -242,7 +272,7 @@ def run_replicas(engine_config: EngineConfig, server_config: ServerConfig, n: in
         raise ValueError(f"replicas must be >= 1, got {n}")
     logging.basicConfig(level=server_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("radixkv.server")
-    flags = replica_flags(engine_config, server_config)
+    flags = replica_flags(engine_config, server_config) + shared_threads(engine_config.threads, n, os.environ)
     if server_config.api_key is not None:
         os.environ["RADIXKV_API_KEY"] = server_config.api_key  # to the children, never on their command lines
 
