@@ -33,7 +33,7 @@ routing under memory pressure is chaotic (a few early choices decide what each r
 keeps), so one seed's hit rate moves by a few points from run to run.
 
     .venv/bin/python benchmarks/bench_router.py [--scale small] [--workloads multi_turn,mixed]
-        [--systems round-robin,approx,events,sglang,one-cache] [--kv-tokens 2048] [--store-bytes 0]
+        [--systems round-robin,approx,events,sglang,one-cache] [--kv-tokens 4096] [--store-bytes 0]
         [--seeds 0,1,2] [--out benchmarks/out]
 """
 
@@ -176,7 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="multi_turn,mixed")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--kv-tokens", type=int, default=2048, help="each replica's pool (one-cache: replicas x this)")
+    ap.add_argument("--kv-tokens", type=int, default=4096,
+                    help="each replica's pool (one-cache: replicas x this); at 2048 one-cache's own pool thrashes on "
+                         "mixed (RESULTS.md, routers, 2026-11-29)")  # fmt: skip
     ap.add_argument("--store-bytes", type=int, default=0,
                     help="an LMDB store of this many bytes shared by the replicas (one-cache: its own); 0: none")
     ap.add_argument("--seeds", default="0",
