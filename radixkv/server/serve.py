@@ -243,7 +243,8 @@ def replica_threads(n: int, cpus: int | None = None) -> int:
     """Kernel threads for each of ``n`` replicas on ``cpus`` cores (default: this
     process's): the cores shared out, at least one each. With every replica at torch's
     default, n OpenMP teams of all the cores share them: a team's threads spin at each
-    barrier while the thread they wait for is descheduled (README, "Replicas")."""
+    barrier while the thread they wait for is descheduled (README, "Replicas, KV events and
+    the router")."""
     check_int("replicas", n, 1)
     return max(1, (cpus or cpu_count()) // n)
 
