@@ -44,6 +44,21 @@ def cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+ARCH_ENV = "RADIXKV_MARCH"  # what -march=native becomes in every build (default: native)
+
+
+def arch_flag() -> str:
+    """The ``-march`` the kernels build with: ``$RADIXKV_MARCH`` (a GCC/Clang CPU name such
+    as ``x86-64-v3``: AVX2, FMA and F16C, no AVX-512), else ``native``. One value across
+    machines builds them the same vector code paths (the decode kernel's sums differ
+    between AVX-512 and AVX2 builds), and lets an AVX-512 machine run the AVX2 kernels.
+    ValueError for a value that is not a CPU name."""
+    value = os.environ.get(ARCH_ENV) or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", value):
+        raise ValueError(f"{ARCH_ENV} must be a compiler CPU name such as native or x86-64-v3, got {value!r}")
+    return f"-march={value}"
+
+
 def local_includes(source: Path) -> list[Path]:
     """The headers beside ``source`` that it includes (``#include "NAME"``): part of
     what a build depends on (one that is missing fails the build, with the compiler's
@@ -55,9 +70,11 @@ def local_includes(source: Path) -> list[Path]:
 def build(name: str, source: Path, flags: tuple[str, ...], depends_on: tuple[str, ...] = (),
           libs: tuple[str, ...] = ()) -> Path:  # fmt: skip
     """The shared object ``NAME-HASH.so`` compiled from ``source`` with ``flags`` (built
-    now unless cached; keyed by the source and its local includes too). Raises ImportError without a compiler or when the build fails (leaving no
+    now unless cached; keyed by the source and its local includes too; ``-march=native``
+    becomes ``arch_flag()``). Raises ImportError without a compiler or when the build fails (leaving no
     partial file); OSError for an unwritable cache directory."""
     cc = compiler()
+    flags = tuple(arch_flag() if f == "-march=native" else f for f in flags)  # $RADIXKV_MARCH
     text = source.read_bytes() + b"".join(h.read_bytes() for h in local_includes(source))
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout

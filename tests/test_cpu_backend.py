@@ -1,5 +1,7 @@
 """The CPU backend's C decode kernel: values, routing of decode rows, its build and fallback."""
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -225,6 +227,30 @@ def test_the_avx512_extend_tiles_give_the_avx2_tiles_bits(cpu, fresh_build, monk
                 for window in (None, 7, 100):
                     wide = check_against_dense(cpu, case, lens, 0.125, window=window)
                     assert same_bytes(wide, check_against_dense(avx2, case, lens, 0.125, window=window))
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 CPU name")
+def test_radixkv_march_builds_the_kernels_for_another_cpu(cpu, fresh_build, monkeypatch):
+    """$RADIXKV_MARCH replaces -march=native in every kernel build: x86-64-v3 (AVX2, FMA,
+    F16C) gives a library of its own, without AVX-512's bf16 products, whose extends
+    and decode rows still match the dense reference; with AVX-512 here, the same bits as
+    the -mno-avx512f build. A value that is not a CPU name is refused naming the variable."""
+    monkeypatch.setenv("RADIXKV_MARCH", "x86-64-v3")
+    v3 = get_backend("cpu")
+    assert v3._lib is not cpu._lib and not v3.bf16_products
+    assert len(list(fresh_build.glob("cpu_decode-*.so"))) == 1
+    lens, prefixes = [5, 40, 1, 17], [11, 0, 300, 130]  # extends and a decode row
+    case = random_case(3, lens, prefixes, 16, 9, 3, torch.float32, dim=64, kv_dtype=torch.float32)
+    out = check_against_dense(v3, case, lens, 0.125)
+    if HAS_AVX512F:
+        monkeypatch.delenv("RADIXKV_MARCH")
+        monkeypatch.setattr(cpu_backend, "_library", None)
+        monkeypatch.setattr(cpu_backend, "FLAGS", cpu_backend.FLAGS + ("-mno-avx512f",))
+        assert same_bytes(out, check_against_dense(get_backend("cpu"), case, lens, 0.125))
+    monkeypatch.setenv("RADIXKV_MARCH", "native -O0")
+    with pytest.raises(ValueError, match="RADIXKV_MARCH must be a compiler CPU name"):
+        build.build("cpu_decode", cpu_backend.SOURCE, cpu_backend.FLAGS)
 
 
 def shared_prefix_decode_case(seed, prefix_pages, own, page_size, hq, hkv, dim):
