@@ -89,10 +89,10 @@ class AttentionBackend:
         with the bits ``forward`` gives them."""
         return self.forward(q, k, v, kv, scale, sliding_window, logit_softcap)[rows]
 
-    def step_kernels(self, kv) -> dict[str, int] | None:
-        """C kernels a model may call itself for this plan's attention over ``kv`` (a
-        layer's view) in every layer, as ``CpuBackend`` offers them; None here: call
-        ``forward``."""
+    def step_kernels(self, kv, q_heads: int) -> dict[str, int] | None:
+        """C kernels a model may call itself for this plan's attention of ``q_heads`` query
+        heads over ``kv`` (a layer's view) in every layer, as ``CpuBackend`` offers them;
+        None here: call ``forward``."""
         return None
 
     def _observe(self, q, k, kv, scale, sliding_window, logit_softcap, skip: frozenset[int] = frozenset()) -> None:

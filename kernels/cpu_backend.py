@@ -137,7 +137,7 @@ class CpuBackend(TorchBackend):
             self._ext_len = torch.tensor([batch.seq_lens[i] for i in ext], dtype=torch.int32)
             self._ext_seq, self._ext_one = idx, torch.ones(len(ext), dtype=torch.int32)  # forward_rows: last rows
 
-    def step_kernels(self, kv) -> dict[str, int] | None:
+    def step_kernels(self, kv, q_heads: int) -> dict[str, int] | None:
         """For a model that runs a whole step's layers in C (``radixkv_native_forward``):
         the addresses of the two kernels and of this plan's arrays for them (alive until the
         next plan), their counts and the kernel's code for the pages' format, as
@@ -145,11 +145,12 @@ class CpuBackend(TorchBackend):
         only each sequence's last row past the last layer). When every sequence goes to a
         kernel (decode rows to the decode kernel, prefills and extends to the extend
         kernel), nothing is observed and ``kv`` (a layer's view; every layer's is alike)
-        holds float32, bfloat16 or half pages both read; else None."""
+        holds float32, bfloat16 or half pages both read for ``q_heads`` query heads; else None."""
         if self.mass or len(self.decode_rows) + len(self.extends) < len(self.qo_lens):
             return None
         kv_format = _pages_format(kv)  # float pages: no parameters, no sealer (that is int4's)
-        if kv_format not in _FLOAT_PAGES or (self.extends and kv.k.shape[3] % 32):  # the extend kernel's head sizes
+        if kv_format not in _FLOAT_PAGES or (
+                self.extends and not self._extend_reads(q_heads, kv.k.shape[3], kv, kv_format, None)):
             return None
         f = {"kv_indices": self._kv_indices.data_ptr(), "kv_format": kv_format}
         if self.decode_rows:
@@ -164,7 +165,8 @@ class CpuBackend(TorchBackend):
 
     def forward(self, q, k, v, kv, scale, sliding_window=None, logit_softcap=None):
         kv_format = _kernel_format(q, kv) if self.decode_rows or self.extends else None
-        extends = self.extends if self._extend_reads(q, kv, kv_format, logit_softcap) else frozenset()
+        reads = self._extend_reads(q.shape[1], q.shape[2], kv, kv_format, logit_softcap)
+        extends = self.extends if reads else frozenset()
         if kv_format is None or not (self.decode_rows or extends):
             return super().forward(q, k, v, kv, scale, sliding_window, logit_softcap)
         # by address, 0 where the format has none: parameters, int8's scale table, the row map,
@@ -212,7 +214,7 @@ class CpuBackend(TorchBackend):
         (``AttentionBackend.forward_rows``)."""
         kv_format = _kernel_format(q, kv)
         if (self.mass or len(self.decode_rows) + len(self.extends) < len(self.qo_lens)
-                or not self._extend_reads(q, kv, kv_format, logit_softcap)):
+                or not self._extend_reads(q.shape[1], q.shape[2], kv, kv_format, logit_softcap)):
             return super().forward_rows(q, k, v, kv, scale, rows, sliding_window, logit_softcap)  # fmt: skip
         q = q[rows].contiguous()  # row i: sequence i's last
         out = torch.empty_like(q)
@@ -223,11 +225,12 @@ class CpuBackend(TorchBackend):
         return out
 
     @staticmethod
-    def _extend_reads(q, kv, kv_format, logit_softcap) -> bool:
-        """Whether the extend kernel can attend ``q`` over ``kv``: float pages, no
-        soft-cap, head size a multiple of 32, whole query groups per KV head."""
-        return (kv_format in _FLOAT_PAGES and logit_softcap is None and q.shape[2] % 32 == 0
-                and q.shape[1] % kv.k.shape[2] == 0)  # fmt: skip
+    def _extend_reads(q_heads: int, head_dim: int, kv, kv_format, logit_softcap) -> bool:
+        """Whether the extend kernel can attend ``q_heads`` query heads of ``head_dim``
+        over ``kv``: float pages, no soft-cap, head size a multiple of 32, whole query
+        groups per KV head (``forward``, ``forward_rows`` and ``step_kernels`` alike)."""
+        return (kv_format in _FLOAT_PAGES and logit_softcap is None and head_dim % 32 == 0
+                and q_heads % kv.k.shape[2] == 0)  # fmt: skip
 
     def _run_extend(self, q, kv, out, q_start, n_new, scale, sliding_window, kv_format) -> None:
         """The extend kernel over this plan's extends: sequence i's queries are ``n_new[i]``

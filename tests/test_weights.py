@@ -488,7 +488,7 @@ def test_the_last_layer_past_attention_runs_only_the_rows_whose_logits_are_read(
     monkeypatch.setattr(native, "_no_routing", mode != "loop")
     backend = get_backend("cpu")
     if mode == "stretch":  # no kernels for the model to call itself: a call per stretch
-        monkeypatch.setattr(backend, "step_kernels", lambda kv: None)
+        monkeypatch.setattr(backend, "step_kernels", lambda kv, q_heads: None)
     attended = []  # rows of each attention call
     monkeypatch.setattr(type(backend), "forward", lambda self, q, *a, f=type(backend).forward, **kw:
                         attended.append(len(q)) or f(self, q, *a, **kw))  # fmt: skip

@@ -356,7 +356,7 @@ class LlamaModel:
             return self._native_layers(x, batch, pool, backend, cos, sin, last)
         cfg, steps = self.config, self._steps
         x = x.contiguous()
-        kernels = backend.step_kernels(pool.view(0))
+        kernels = backend.step_kernels(pool.view(0), cfg.num_heads)
         if kernels is None:
             return self._native_layers_in_calls(x, batch, pool, backend, cos, sin, last)
         cos, sin = cos.reshape(-1, cfg.rotary_dims).contiguous(), sin.reshape(-1, cfg.rotary_dims).contiguous()
