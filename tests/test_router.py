@@ -278,7 +278,8 @@ def cluster(tmp_path_factory):
     """`radixkv serve --replicas 3` (small pools, a host tier: evictions and demotions)."""
     log = tmp_path_factory.mktemp("router") / "serve.log"
     cmd = [sys.executable, "-m", "radixkv", "serve", "--replicas", "3", "--attention-backend", "torch",
-           "--kv-cache-tokens", "512", "--host-cache-bytes", str(24 * 720 * 1024)]  # fmt: skip
+           "--kv-cache-tokens", "512", "--host-cache-bytes", str(24 * 720 * 1024),
+           "--kv-events-format", "map"]  # vLLM's wire form (test_router_store runs the array form)  # fmt: skip
     proc, url = launch(cmd, "/health", "radixkv serve --replicas 3", timeout=600, log_path=log)
     try:
         http = httpx.Client(base_url=url, timeout=300)
@@ -314,6 +315,7 @@ def test_replicas_publish_events_and_the_router_uses_them(cluster):
     _, _, http, state = cluster
     assert state["mode"] == "events" and len(state["replicas"]) == 3
     assert all(r["up"] and r["events"] for r in state["replicas"])
+    assert {httpx.get(r["url"] + "/stats").json()["kv_events"]["format"] for r in state["replicas"]} == {"map"}
     # the tests' $OMP_NUM_THREADS (conftest) reached every replica: one thread each
     assert [httpx.get(r["url"] + "/stats").json()["threads"] for r in state["replicas"]] == [1, 1, 1]
 

@@ -1,10 +1,21 @@
 """KV events: what a replica's cache stores and drops, published for KV-aware routers.
 
 Every change to the pages a replica can reuse becomes an event in the schema vLLM and
-SGLang publish (msgspec structs, msgpack, array-like): ``BlockStored`` (pages entered a
+SGLang publish (msgspec structs, msgpack): ``BlockStored`` (pages entered a
 tier, with their token ids and the hash of the page before them), ``BlockRemoved``
 (pages left a tier) and ``AllBlocksCleared`` (a fresh start: sent when the publisher
-opens, so a router drops what it knew of a replica that restarted). The *medium* is the
+opens, so a router drops what it knew of a replica that restarted). Two wire forms
+(``FORMATS``), the batch an array ``[ts, events, data_parallel_rank]`` in both:
+
+- ``array``: each event a list, its tag then its fields by position (``["BlockStored",
+  hashes, parent, token ids, block size, lora id, medium]``): what SGLang publishes and
+  vLLM did until its events became maps (vLLM pull request 42892, 2026), and what
+  subscribers written for it decode;
+- ``map``: each event a map with its tag under ``"type"`` and its fields by name
+  (``lora_name`` too, as ``None``): what vLLM publishes now (0.32 decodes it here).
+
+``decode`` reads either (a map's fields past the ones above, which newer vLLM
+releases add, are ignored). The *medium* is the
 tier: ``"GPU"`` for the device pool (vLLM's name for the KV memory the model reads,
 whatever the device) and ``"CPU"`` for the host tier (vLLM's name for offloaded KV). A
 page that leaves the device for the host tier is removed from ``GPU`` and stored on
@@ -91,17 +102,71 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# the map form: the same events, each a map of its fields by name, tagged under "type"
+
+
+class _MapEvent(msgspec.Struct, gc=False, tag_field="type"):
+    pass
+
+
+class _StoredMap(_MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _RemovedMap(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _ClearedMap(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(EventBatch):
+    events: list[_StoredMap | _RemovedMap | _ClearedMap]
+
+
+FORMATS = ("array", "map")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
 
 
-def encode(batch: KVEventBatch) -> bytes:
+_TO_MAP = {BlockStored: _StoredMap, BlockRemoved: _RemovedMap, AllBlocksCleared: _ClearedMap}
+_FROM_MAP = {m: a for a, m in _TO_MAP.items()}  # the same fields, in the same order (a map's lora_name aside)
+
+
+def _convert(ev, to: dict):
+    kind = to[type(ev)]
+    return kind(*msgspec.structs.astuple(ev)[: len(kind.__struct_fields__)])
+
+
+def encode(batch: KVEventBatch, form: str = "array") -> bytes:
+    """``batch`` as msgpack bytes in wire form ``form`` (``FORMATS``)."""
+    if form == "map":
+        return _encoder.encode(_MapBatch(batch.ts, [_convert(e, _TO_MAP) for e in batch.events], batch.data_parallel_rank))
+    if form != "array":
+        raise ValueError(f"kv_events_format must be one of {', '.join(FORMATS)}, got {form!r}")
     return _encoder.encode(batch)
 
 
 def decode(payload: bytes) -> KVEventBatch:
-    """A batch from its msgpack bytes; msgspec.DecodeError / ValidationError if malformed."""
-    return _decoder.decode(payload)
+    """A batch from its msgpack bytes in either wire form; msgspec.DecodeError /
+    ValidationError if malformed (the array form's error when neither form fits)."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.ValidationError as array_error:
+        try:
+            batch = _map_decoder.decode(payload)
+        except msgspec.ValidationError:
+            raise array_error from None
+    return KVEventBatch(batch.ts, [_convert(e, _FROM_MAP) for e in batch.events], batch.data_parallel_rank)
 
 
 # -- block hashes ----------------------------------------------------------------------------------
@@ -265,12 +330,17 @@ def check_endpoint(field: str, endpoint: str | None) -> str | None:
 class ZmqEventPublisher:
     """Sends event batches on a PUB socket (``endpoint``) from its own thread, numbering
     them from 0, and answers replay requests on a ROUTER socket (``replay_endpoint``,
-    optional) from the last ``buffer_steps`` batches. ``publish`` may be called from any
+    optional) from the last ``buffer_steps`` batches, each in wire form ``form``
+    (``FORMATS``). ``publish`` may be called from any
     thread; ``close`` stops the thread and closes the sockets."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "kv-events",
-                 buffer_steps: int = 10000, data_parallel_rank: int | None = None):  # fmt: skip
+                 buffer_steps: int = 10000, data_parallel_rank: int | None = None, form: str = "array"):  # fmt: skip
         import zmq
+
+        if form not in FORMATS:
+            raise ValueError(f"kv_events_format must be one of {', '.join(FORMATS)}, got {form!r}")
+        self.form = form
 
         self._zmq = zmq
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic.encode()
@@ -326,7 +396,7 @@ class ZmqEventPublisher:
                 return
             try:
                 if batch is not False:
-                    payload = encode(batch)
+                    payload = encode(batch, self.form)
                     seq = self._seq.to_bytes(8, "big", signed=True)
                     self._pub.send_multipart((self.topic, seq, payload))
                     self._buffer.append((self._seq, payload))

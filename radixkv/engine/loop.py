@@ -109,7 +109,7 @@ class EngineLoop:
         self.publisher = None
         if cfg.kv_events is not None:
             self.publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic,
-                                               cfg.kv_events_buffer)  # fmt: skip
+                                               cfg.kv_events_buffer, form=cfg.kv_events_format)  # fmt: skip
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running,
                                    cfg.chunked_prefill_size, cfg.hint_hold)  # fmt: skip
         self.sampler = Sampler()
@@ -397,7 +397,8 @@ class EngineLoop:
             "pins": self._pins_stats(),
             "kv_events": None if self.publisher is None else {
                 "endpoint": self.config.kv_events, "replay_endpoint": self.config.kv_events_replay,
-                "topic": self.config.kv_events_topic, "batches": self.publisher.sent,
+                "topic": self.config.kv_events_topic, "format": self.config.kv_events_format,
+                "batches": self.publisher.sent,
                 "events": self.events.published_events},
         }
 

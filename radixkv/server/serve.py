@@ -14,6 +14,7 @@ import os
 import signal
 import time
 
+from radixkv.cache.events import FORMATS as EVENT_FORMATS
 from radixkv.cache.formats import FORMATS
 from radixkv.cache.tiers import WRITE_POLICIES
 from radixkv.engine.config import KV_COMMIT, PARTIAL_PAGES, WEIGHTS
@@ -73,6 +74,9 @@ HELP = {
                         "subscriber that missed them; default none",
     "kv_events_topic": "the topic frame of every event message",
     "kv_events_buffer": "event batches the replay socket keeps",
+    "kv_events_format": "the events' wire form: array (each event a list of its fields by position: SGLang's, and "
+                        "vLLM's before its events became maps) or map (each event a map of its fields by name, "
+                        "tagged under type: vLLM's now)",
     "attention_backend": f"{', '.join(BACKENDS)} (auto: flashinfer or triton on CUDA, else cpu, else torch)",
     "policy": "prefix-cache eviction policy: lru, lfu, fifo, priority, cost (cost-aware, learned online)",
     "enable_prefix_cache": "reuse cached prompt prefixes (--no-enable-prefix-cache turns the cache off)",
@@ -115,7 +119,8 @@ HELP = {
 }
 CHOICES = {"log_level": ("critical", "error", "warning", "info", "debug"), "dtype": ("float32", "bfloat16", "float16"),
            "weights": WEIGHTS, "kv_commit": KV_COMMIT, "partial_pages": PARTIAL_PAGES,
-           "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES}  # fmt: skip
+           "kv_dtype": ("auto", *FORMATS), "kv_store_write": WRITE_POLICIES,
+           "kv_events_format": EVENT_FORMATS}  # fmt: skip
 ZERO_IS_NONE = {"chunked_prefill_size"}
 ANSWER_SECONDS = 5.0  # after the grace period: time for aborted requests' answers to go out
 
