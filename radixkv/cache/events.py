@@ -59,6 +59,7 @@ import msgspec
 import numpy as np
 
 from radixkv.cache.store import page_keys
+from radixkv.errors import FieldError
 
 logger = logging.getLogger("radixkv.events")
 
@@ -147,12 +148,17 @@ def _convert(ev, to: dict):
     return kind(*msgspec.structs.astuple(ev)[: len(kind.__struct_fields__)])
 
 
+def check_format(form: str) -> str:
+    """``form`` when it is a wire form (``FORMATS``); FieldError naming kv_events_format if not."""
+    if form not in FORMATS:
+        raise FieldError("kv_events_format", f"kv_events_format must be one of {', '.join(FORMATS)}, got {form!r}")
+    return form
+
+
 def encode(batch: KVEventBatch, form: str = "array") -> bytes:
     """``batch`` as msgpack bytes in wire form ``form`` (``FORMATS``)."""
-    if form == "map":
+    if check_format(form) == "map":
         return _encoder.encode(_MapBatch(batch.ts, [_convert(e, _TO_MAP) for e in batch.events], batch.data_parallel_rank))
-    if form != "array":
-        raise ValueError(f"kv_events_format must be one of {', '.join(FORMATS)}, got {form!r}")
     return _encoder.encode(batch)
 
 
@@ -338,9 +344,7 @@ class ZmqEventPublisher:
                  buffer_steps: int = 10000, data_parallel_rank: int | None = None, form: str = "array"):  # fmt: skip
         import zmq
 
-        if form not in FORMATS:
-            raise ValueError(f"kv_events_format must be one of {', '.join(FORMATS)}, got {form!r}")
-        self.form = form
+        self.form = check_format(form)
 
         self._zmq = zmq
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic.encode()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixkv.cache.events import FORMATS as EVENT_FORMATS
-from radixkv.cache.events import check_endpoint
+from radixkv.cache.events import check_endpoint, check_format
 from radixkv.cache.formats import KVFormat, kv_format
 from radixkv.cache.pins import MAX_TTL
 from radixkv.cache.store import check_store_spec
@@ -170,8 +169,7 @@ class EngineConfig:
         check_endpoint("kv_events", self.kv_events)
         check_endpoint("kv_events_replay", self.kv_events_replay)
         check_int("kv_events_buffer", self.kv_events_buffer, 1)
-        if self.kv_events_format not in EVENT_FORMATS:
-            raise ValueError(f"kv_events_format must be one of {', '.join(EVENT_FORMATS)}, got {self.kv_events_format!r}")
+        check_format(self.kv_events_format)
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ValueError("kv_events_replay replays kv_events: give kv_events too")
         if self.kv_events is not None and not self.enable_prefix_cache:
