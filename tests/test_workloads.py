@@ -83,6 +83,29 @@ def test_workload_names_are_checked():
         bench.main(["--systems", "transformers"])
 
 
+@pytest.mark.parametrize("system, dtype", [("vllm", "float32"), ("vllm-bf16", "bfloat16")])
+def test_the_vllm_peers_start_vllm_in_their_dtype(monkeypatch, system, dtype):
+    """bench_e2e's two vLLM systems: the precision-matched float32 one and vLLM's CPU
+    default, bf16. vLLM itself is not installed in CI, so the launch is caught."""
+    from benchmarks import bench_e2e
+    from benchmarks.peers import vllm_backend
+    from radixkv.server import process
+
+    launched = []
+
+    def launch(cmd, *args, **kwargs):
+        launched.append(cmd)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(vllm_backend, "unavailable", lambda: None)
+    monkeypatch.setattr(process, "launch", launch)
+    with pytest.raises(RuntimeError, match="not started"):
+        bench_e2e.PEERS[system]()
+    (cmd,) = launched
+    assert cmd[cmd.index("--dtype") + 1] == dtype and "--enable-prefix-caching" in cmd
+    assert bench.GOALS[system] == 1.5
+
+
 def test_the_program_workloads_replay_in_radixkv_sim(tmp_path, capsys):
     """rag and agent, the bench's programs, traced with the model's tokenizer: no checkout needed."""
     from radixkv.cli import main

