@@ -1285,11 +1285,12 @@ int radixkv_paged_decode(const float *q, const void *k_cache, const void *v_cach
  *   causal end, its window or the context, weigh exactly zero; blocks every row sees in
  *   full skip the masks);
  * - the weighted V sums, kept transposed ([d][rows]), in tiles of 6 dims by 16 rows (each
- *   V value broadcast against two vectors of the rows' weights: the score tile's shape;
- *   bf16 products: [rows][d], tiles of 6 rows by 16 dims).
+ *   V value broadcast against two vectors of the rows' weights: the score tile's shape).
  * Where the build has AVX-512, float32 (and widened) blocks take the same steps 16 rows a
  * vector: score tiles of 16 rows by 8 positions, V tiles of 8 dims by 16 rows, the softmax
- * on 16 lanes; every operation the AVX2 tiles' in the same order, so the same bits.
+ * on 16 lanes; every operation the AVX2 tiles' in the same order, so the same bits. bf16
+ * products (AVX512-BF16) take those tiles' shapes on pairs: a lane multiplies two dims of
+ * a row's query by two of a K row, or two positions' weights by those positions' V.
  * The rows share each block's K/V, where per-sequence SDPA calls paid their own setup and
  * the decode kernel would read the context once per row. Layouts as radixkv_paged_decode;
  * q_start[i]: sequence i's first query row, n_new[i] its new tokens. Returns 0; -1 when
@@ -1489,104 +1490,70 @@ INLINE void pv_tile16(const float *pT, int64_t rs, const float *const *vp, int64
 #define WIDE_ROWS 0
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && WIDE_ROWS
 /* bfloat16 products (AVX512-BF16's vdpbf16ps: a lane's two bf16 products added to its
- * float32 sum) for bf16 pages: the queries and the softmax weights rounded to bf16, K and
- * V as the pages hold them, every sum in float32. */
+ * float32 sum) for bf16 pages, in the float32 tiles' shapes on 16 rows a vector: the
+ * queries and the softmax weights rounded to bf16, K and V as the pages hold them, every
+ * sum in float32. A lane holds a row's pair (dims e, e + 1 of its query; positions j,
+ * j + 1 of its weights), the broadcast the matching pair of K (dims) or of V (positions,
+ * interleaved once a block by pair_values). */
 #define BF16_PRODUCTS 1
 
-/* a bf16 V tile's running sums of dims e .. e + 16 of its mr rows ([rows][d]): in, times
- * the rows' rescale alpha (one multiply per output), and out */
-INLINE void sums_in(const float *o, int64_t d, int64_t e, const float *alpha, const int mr, __m256 a[6][2]) {
-    for (int t = 0; t < mr; t++) {
-        const __m256 va = _mm256_set1_ps(alpha[t]);
-        a[t][0] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e), va);
-        a[t][1] = _mm256_mul_ps(_mm256_loadu_ps(o + t * d + e + 8), va);
-    }
-}
-
-INLINE void sums_out(float *o, int64_t d, int64_t e, const int mr, __m256 a[6][2]) {
-    for (int t = 0; t < mr; t++) {
-        _mm256_storeu_ps(o + t * d + e, a[t][0]);
-        _mm256_storeu_ps(o + t * d + e + 8, a[t][1]);
-    }
-}
-
-INLINE __m256bh pair_of(const uint16_t *p) {  /* (p[0], p[1]) in every lane */
-    uint32_t u;
-    memcpy(&u, p, sizeof u);
-    return (__m256bh)_mm256_set1_epi32((int)u);
-}
-
-/* as score_tile_nv: qP [d / 2][rs] holds each row's (q_e, q_e+1) pairs, kp[j] bf16 K rows */
-INLINE void score_tile_bf(const uint32_t *qP, int64_t rs, const uint16_t *const *kp, int64_t d, const int nv,
-                          const int np, float *sT) {
-    __m256 a[6][2];
-    for (int j = 0; j < np; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < d; e += 2) {
-        const uint32_t *qe = qP + e / 2 * rs;
-        const __m256bh q0 = (__m256bh)_mm256_load_si256((const __m256i *)qe);
-        const __m256bh q1 = nv > 1 ? (__m256bh)_mm256_load_si256((const __m256i *)(qe + 8)) : q0;
-        for (int j = 0; j < np; j++) {
-            const __m256bh k = pair_of(kp[j] + e);
-            a[j][0] = _mm256_dpbf16_ps(a[j][0], q0, k);
-            if (nv > 1) a[j][1] = _mm256_dpbf16_ps(a[j][1], q1, k);
-        }
-    }
-    for (int j = 0; j < np; j++) {
-        _mm256_store_ps(sT + j * rs, a[j][0]);
-        if (nv > 1) _mm256_store_ps(sT + j * rs + 8, a[j][1]);
-    }
-}
-
-INLINE void score_block_bf(const uint32_t *qP, int64_t rs, const uint16_t *const *kp, int64_t d, const int nv,
-                           float *sT) {
-    score_tile_bf(qP, rs, kp, d, nv, 6, sT);
-    score_tile_bf(qP, rs, kp + 6, d, nv, 6, sT + 6 * rs);
-    score_tile_bf(qP, rs, kp + 12, d, nv, 4, sT + 12 * rs);
-}
-
-/* pP[j / 2][r .. r + 8) = the 8 rows' weights of positions j and j + 1 (sT's), rounded to bf16 pairs */
-INLINE void pair_weights8(const float *sT, int64_t rs, uint32_t *pP) {
-    for (int j = 0; j < EK; j += 2) {
-        const __m128i a = (__m128i)_mm256_cvtneps_pbh(_mm256_load_ps(sT + j * rs));
-        const __m128i b = (__m128i)_mm256_cvtneps_pbh(_mm256_load_ps(sT + (j + 1) * rs));
-        _mm256_store_si256((__m256i *)(pP + j / 2 * rs), _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b)));
-    }
-}
-
-/* as pv_tile_mr on bf16: each V pair of rows (j, j + 1) interleaved into (v_j, v_j+1) pairs
- * per dim, 16 dims as two vectors holding dims {0-3, 8-11} and {4-7, 12-15} (unpack's
- * order): o keeps that order, unswapped when the task writes its rows out */
-INLINE void pv_tile_bf_mr(const uint32_t *pP, int64_t rs, const uint16_t *const *vp, int64_t d, const float *alpha,
-                          const int mr, float *o) {
-    for (int64_t e = 0; e < d; e += 16) {
-        __m256 a[6][2];
-        sums_in(o, d, e, alpha, mr, a);
+/* as score_tile16: qP [d / 2][rs] holds each row's (q_e, q_e+1) pairs, kp[j] bf16 K rows */
+INLINE void score_tile16_bf(const uint32_t *qP, int64_t rs, const uint16_t *const *kp, int64_t d, float *sT) {
+    __m512 a[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < EK; j += 2) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(vp[j] + e));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(vp[j + 1] + e));
-            const __m256bh lo = (__m256bh)_mm256_unpacklo_epi16(v0, v1), hi = (__m256bh)_mm256_unpackhi_epi16(v0, v1);
-            for (int t = 0; t < mr; t++) {
-                const __m256bh w = (__m256bh)_mm256_set1_epi32((int)pP[j / 2 * rs + t]);
-                a[t][0] = _mm256_dpbf16_ps(a[t][0], lo, w);
-                a[t][1] = _mm256_dpbf16_ps(a[t][1], hi, w);
-            }
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e += 2) {
+        const __m512bh q = (__m512bh)_mm512_load_si512(qP + e / 2 * rs);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            uint32_t k;
+            memcpy(&k, kp[j] + e, sizeof k);
+            a[j] = _mm512_dpbf16_ps(a[j], q, (__m512bh)_mm512_set1_epi32((int)k));
         }
-        sums_out(o, d, e, mr, a);
     }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) _mm512_store_ps(sT + j * rs, a[j]);
 }
 
-INLINE void pv_tile_bf(const uint32_t *pP, int64_t rs, const uint16_t *const *vp, int64_t d, const float *alpha, int mr,
-                       float *o) {
-#define PV_TILE_BF(R) pv_tile_bf_mr(pP, rs, vp, d, alpha, R, o)
-    WITH_CONSTANT_ROWS(mr, PV_TILE_BF);
-#undef PV_TILE_BF
+/* (lo, hi) bf16 pairs of 16 lanes: lo in each 32-bit lane's low half */
+INLINE __m512i bf16_pairs(__m256i lo, __m256i hi) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
 }
 
-/* dim of slot i of a 16-dim group of pv_tile_bf's sums: the middle two quarters swapped */
-INLINE int64_t unswap16(int64_t i) { return (i & 12) == 4 ? i + 4 : (i & 12) == 8 ? i - 4 : i; }
+/* pP[j / 2][0 .. 16) = the 16 rows' weights of positions j and j + 1 (sT's), rounded to bf16 pairs */
+INLINE void pair_weights16(const float *sT, int64_t rs, uint32_t *pP) {
+    for (int j = 0; j < EK; j += 2)
+        _mm512_store_si512(pP + j / 2 * rs, bf16_pairs((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sT + j * rs)),
+                                                       (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sT + (j + 1) * rs))));
+}
+
+/* vP[j / 2][e] = (dim e of V row j, of row j + 1) as a bf16 pair, for the block's EK rows vp */
+INLINE void pair_values(const uint16_t *const *vp, int64_t d, uint32_t *vP) {
+    for (int j = 0; j < EK; j += 2)
+        for (int64_t e = 0; e < d; e += 16)
+            _mm512_storeu_si512(vP + j / 2 * d + e, bf16_pairs(_mm256_loadu_si256((const __m256i *)(vp[j] + e)),
+                                                               _mm256_loadu_si256((const __m256i *)(vp[j + 1] + e))));
+}
+
+/* as pv_tile16 on pairs: the 16 rows' weight pairs pP ([EK / 2][rs]) against the V pairs vP
+ * ([EK / 2][d]), dims e .. e + 8 of the sums oT ([d][rs]) */
+INLINE void pv_tile16_bf(const uint32_t *pP, int64_t rs, const uint32_t *vP, int64_t d, int64_t e, const float *alpha,
+                         float *oT) {
+    __m512 a[8];
+    const __m512 al = _mm512_load_ps(alpha);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) a[i] = _mm512_mul_ps(_mm512_load_ps(oT + i * rs), al);
+    for (int j = 0; j < EK / 2; j++) {
+        const __m512bh p = (__m512bh)_mm512_load_si512(pP + j * rs);
+        const uint32_t *v = vP + j * d + e;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) a[i] = _mm512_dpbf16_ps(a[i], p, (__m512bh)_mm512_set1_epi32((int)v[i]));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) _mm512_store_ps(oT + i * rs, a[i]);
+}
 #else
 #define BF16_PRODUCTS 0
 #endif
@@ -1628,9 +1595,10 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
          * block's K and V rows (one KV head) widened */
         uint32_t *qP = bfp ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(ECHUNK * d / 2)) : NULL;
         uint32_t *pP = bfp ? aligned_alloc(64, sizeof(uint32_t) * ECHUNK * EK / 2) : NULL;
+        uint32_t *vP = bfp ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(EK / 2 * d)) : NULL;
         float *kb = half && !bfp ? aligned_alloc(64, sizeof(float) * (size_t)(EK * d)) : NULL;
         float *vb = half && !bfp ? aligned_alloc(64, sizeof(float) * (size_t)(EK * d)) : NULL;
-        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bfp && (!qP || !pP)) ||
+        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bfp && (!qP || !pP || !vP)) ||
             (half && !bfp && (!kb || !vb))) {
 #pragma omp atomic write
             err = -2;
@@ -1705,9 +1673,16 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     r0 = r0 <= 0 ? 0 : r0 * G - c0;
                     r0 = r0 < 0 ? 0 : r0 / 8 * 8;
 #if WIDE_ROWS
-                    if (!bfp) {  /* 16 rows a vector: r0 down to a multiple of 16 (rows that see none of the block add zeros) */
+                    {  /* 16 rows a vector: r0 down to a multiple of 16 (rows that see none of the block add zeros) */
                         r0 = r0 / 16 * 16;
                         for (int64_t r = r0; r < RS; r += 16) {
+#if BF16_PRODUCTS
+                            if (bfp) {
+                                score_tile16_bf(qP + r, RS, kh, d, sT + r);
+                                score_tile16_bf(qP + r, RS, kh + 8, d, sT + 8 * RS + r);
+                                continue;
+                            }
+#endif
                             score_tile16(qT + r, RS, kp, d, sT + r);
                             score_tile16(qT + r, RS, kp + 8, d, sT + 8 * RS + r);
                         }
@@ -1716,36 +1691,28 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                             softmax16(sT + r, RS, m + r, l + r, alpha + r, _mm512_load_si512(lastp + r),
                                       _mm512_load_si512(firstp + r), k0, kn, full);
                         }
+#if BF16_PRODUCTS
+                        if (bfp) {
+                            pair_values(vh, d, vP);
+                            for (int64_t r = r0; r < RS; r += 16) {
+                                pair_weights16(sT + r, RS, pP + r);
+                                for (int64_t e = 0; e < d; e += 8)
+                                    pv_tile16_bf(pP + r, RS, vP, d, e, alpha + r, ob + e * RS + r);
+                            }
+                            continue;
+                        }
+#endif
                         for (int64_t r = r0; r < RS; r += 16)
                             for (int64_t e = 0; e < d; e += 8) pv_tile16(sT + r, RS, vp, e, alpha + r, ob + e * RS + r);
                         continue;
                     }
 #endif
-                    for (int64_t r = r0; r < RS; r += 16) {
-                        const int nv = RS - r >= 16 ? 2 : 1;
-#if BF16_PRODUCTS
-                        if (bfp) {
-                            score_block_bf(qP + r, RS, kh, d, nv, sT + r);
-                            continue;
-                        }
-#endif
-                        score_block(qT + r, RS, kp, d, nv, sT + r);
-                    }
+                    for (int64_t r = r0; r < RS; r += 16) score_block(qT + r, RS, kp, d, RS - r >= 16 ? 2 : 1, sT + r);
                     for (int64_t r = r0; r < RS; r += 8) {
                         const int full = kn == EK && k0 + EK - 1 <= lastp[r] && (window <= 0 || k0 >= firstp[r + 7]);
                         softmax8(sT + r, RS, m + r, l + r, alpha + r, _mm256_load_si256((const __m256i *)(lastp + r)),
                                  _mm256_load_si256((const __m256i *)(firstp + r)), k0, kn, full);
-#if BF16_PRODUCTS
-                        if (bfp) pair_weights8(sT + r, RS, pP + r);
-#endif
                     }
-#if BF16_PRODUCTS
-                    if (bfp) {  /* ob [rows][d] */
-                        for (int64_t r = r0; r < R; r += 6)
-                            pv_tile_bf(pP + r, RS, vh, d, alpha + r, R - r < 6 ? (int)(R - r) : 6, ob + r * d);
-                        continue;
-                    }
-#endif
                     for (int64_t r = r0; r < RS; r += 16) {  /* ob [d][RS], padding rows too (dropped) */
                         if (RS - r >= 16)
                             pv_block_t(sT + r, RS, vp, d, 2, alpha + r, ob + r);
@@ -1756,19 +1723,13 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                 for (int64_t r = 0; r < R; r++) {
                     float *dst = ROW_AT(out, r);
                     const float inv = 1.0f / l[r];
-#if BF16_PRODUCTS
-                    if (bfp) {
-                        for (int64_t e = 0; e < d; e++) dst[e / 16 * 16 + unswap16(e % 16)] = ob[r * d + e] * inv;
-                        continue;
-                    }
-#endif
                     for (int64_t e = 0; e < d; e++) dst[e] = ob[e * RS + r] * inv;
                 }
 #undef ROW_AT
             }
         }
         free(qT), free(ob), free(sT), free(zero), free(m), free(l), free(alpha), free(lastp), free(firstp), free(kb), free(vb);
-        free(qP), free(pP);
+        free(qP), free(pP), free(vP);
     }
     free(task_seq), free(task_row);
     return err;
