@@ -30,7 +30,8 @@ softmax, so each block's K/V serves all of the task's rows (per-sequence SDPA co
 vector, the AVX2 tiles' operations in the same order: the same bits, 1.05-1.09x as fast.
 On bf16 pages it multiplies in bf16 where the CPU has AVX512-BF16 (``bf16_products``):
 the queries and the softmax weights rounded to bf16, sums in float32, as GPU kernels do
-on a bf16 cache (1.6x the widened path at few-shot's shape); elsewhere bf16 blocks, and
+on a bf16 cache, in the AVX-512 tiles' shapes on pairs of dims or positions (1.5-1.6x the
+float32 pages' speed); elsewhere bf16 blocks, and
 fp16 ones always, are widened to float32 once per task and block. It needs AVX2 + FMA,
 head sizes a multiple of 32 and no soft-capped logits.
 The others, and int8 or int4 prefills and extends, keep the reference path (SDPA per
