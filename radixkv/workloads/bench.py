@@ -143,6 +143,7 @@ SYSTEMS: dict[str, Callable] = {
     "radixkv-no-cache": lambda: Served("--no-enable-prefix-cache"),
     "radixkv-bf16-kv": lambda: Served("--kv-dtype", "bf16"),
     "radixkv-act8": lambda: Served("--activation-bits", "8"),
+    "radixkv-act8-bf16-kv": lambda: Served("--activation-bits", "8", "--kv-dtype", "bf16"),  # bf16-class precision
 }
 
 
