@@ -1673,40 +1673,36 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                     r0 = r0 <= 0 ? 0 : r0 * G - c0;
                     r0 = r0 < 0 ? 0 : r0 / 8 * 8;
 #if WIDE_ROWS
-                    {  /* 16 rows a vector: r0 down to a multiple of 16 (rows that see none of the block add zeros) */
-                        r0 = r0 / 16 * 16;
-                        for (int64_t r = r0; r < RS; r += 16) {
-#if BF16_PRODUCTS
-                            if (bfp) {
-                                score_tile16_bf(qP + r, RS, kh, d, sT + r);
-                                score_tile16_bf(qP + r, RS, kh + 8, d, sT + 8 * RS + r);
-                                continue;
-                            }
-#endif
-                            score_tile16(qT + r, RS, kp, d, sT + r);
-                            score_tile16(qT + r, RS, kp + 8, d, sT + 8 * RS + r);
-                        }
-                        for (int64_t r = r0; r < RS; r += 16) {
-                            const int full = kn == EK && k0 + EK - 1 <= lastp[r] && (window <= 0 || k0 >= firstp[r + 15]);
-                            softmax16(sT + r, RS, m + r, l + r, alpha + r, _mm512_load_si512(lastp + r),
-                                      _mm512_load_si512(firstp + r), k0, kn, full);
-                        }
+                    r0 = r0 / 16 * 16;  /* 16 rows a vector (rows that see none of the block add zeros) */
+                    for (int64_t r = r0; r < RS; r += 16) {
 #if BF16_PRODUCTS
                         if (bfp) {
-                            pair_values(vh, d, vP);
-                            for (int64_t r = r0; r < RS; r += 16) {
-                                pair_weights16(sT + r, RS, pP + r);
-                                for (int64_t e = 0; e < d; e += 8)
-                                    pv_tile16_bf(pP + r, RS, vP, d, e, alpha + r, ob + e * RS + r);
-                            }
+                            score_tile16_bf(qP + r, RS, kh, d, sT + r);
+                            score_tile16_bf(qP + r, RS, kh + 8, d, sT + 8 * RS + r);
                             continue;
                         }
 #endif
-                        for (int64_t r = r0; r < RS; r += 16)
-                            for (int64_t e = 0; e < d; e += 8) pv_tile16(sT + r, RS, vp, e, alpha + r, ob + e * RS + r);
+                        score_tile16(qT + r, RS, kp, d, sT + r);
+                        score_tile16(qT + r, RS, kp + 8, d, sT + 8 * RS + r);
+                    }
+                    for (int64_t r = r0; r < RS; r += 16) {
+                        const int full = kn == EK && k0 + EK - 1 <= lastp[r] && (window <= 0 || k0 >= firstp[r + 15]);
+                        softmax16(sT + r, RS, m + r, l + r, alpha + r, _mm512_load_si512(lastp + r),
+                                  _mm512_load_si512(firstp + r), k0, kn, full);
+                    }
+#if BF16_PRODUCTS
+                    if (bfp) {
+                        pair_values(vh, d, vP);  /* once a block, for every row tile */
+                        for (int64_t r = r0; r < RS; r += 16) {
+                            pair_weights16(sT + r, RS, pP + r);
+                            for (int64_t e = 0; e < d; e += 8) pv_tile16_bf(pP + r, RS, vP, d, e, alpha + r, ob + e * RS + r);
+                        }
                         continue;
                     }
 #endif
+                    for (int64_t r = r0; r < RS; r += 16)  /* ob [d][RS], padding rows too (dropped) */
+                        for (int64_t e = 0; e < d; e += 8) pv_tile16(sT + r, RS, vp, e, alpha + r, ob + e * RS + r);
+#else
                     for (int64_t r = r0; r < RS; r += 16) score_block(qT + r, RS, kp, d, RS - r >= 16 ? 2 : 1, sT + r);
                     for (int64_t r = r0; r < RS; r += 8) {
                         const int full = kn == EK && k0 + EK - 1 <= lastp[r] && (window <= 0 || k0 >= firstp[r + 7]);
@@ -1719,6 +1715,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
                         else
                             pv_block_t(sT + r, RS, vp, d, 1, alpha + r, ob + r);
                     }
+#endif
                 }
                 for (int64_t r = 0; r < R; r++) {
                     float *dst = ROW_AT(out, r);
