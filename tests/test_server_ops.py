@@ -308,4 +308,5 @@ def test_aborted_requests_counted(ops_server, http):
                     break  # leave after the first chunk: the server aborts the request
     wait_for(lambda: metrics(http).get(name, 0) == before + 1, 30, "the aborted counter")
     wait_for(lambda: http.get("/stats").json()["running"] == 0, 30, "the request to end")
-    assert any(x["path"] == "/generate" and x.get("error") == "client disconnected" for x in access_lines(ops_server))
+    wait_for(lambda: any(x["path"] == "/generate" and x.get("error") == "client disconnected"
+                         for x in access_lines(ops_server)), 30, "the aborted request's access line")  # fmt: skip
