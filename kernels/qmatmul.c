@@ -58,6 +58,7 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, 
 #define PANELS 0x100  /* ORed into a type: the matrix is stored as panels (see stored_panels) */
 #define PANELS8 0x200 /* the same for Q4_0 and Q4_1 against 8-bit activations: codes in the byte tiles' order */
 #define STORED (PANELS | PANELS8)
+#define TILE_MR 6  /* the tokens a tile takes at most (see tile) */
 
 /* the little-endian fp16 at p */
 static inline float half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
@@ -756,34 +757,50 @@ typedef struct {  /* a matrix in the kernels' layout, as weights.py describes it
 
 typedef struct {  /* room for n tokens' rounded activations of up to `blocks` blocks each */
     int16_t *q;
-    int8_t *q8;  /* the same codes as bytes, where they fit (act_max 127) */
     float *d, *s;
+    /* where the codes fit in bytes (act_max 127), the byte tiles' copy, in their order: the
+     * tokens in groups of TILE_MR (a tile's), each group's codes [cols / 4][TILE_MR] quads
+     * and its blocks' d and s [nb][2][TILE_MR], so that a tile reads its tokens' quads and
+     * scales from one pointer at constant offsets (six tokens' pointers spill registers) */
+    int8_t *q8;
+    float *ds8;
 } xbuf;
 
 /* bytes: room for the codes as bytes too (products whose act_max is 127: quantize_rows
  * writes them) */
 static int xbuf_alloc(xbuf *b, int64_t n, int64_t blocks, int bytes) {
+    const size_t padded = (size_t)((n + TILE_MR - 1) / TILE_MR * TILE_MR * blocks);  /* whole groups */
     b->q = malloc(sizeof(int16_t) * 32 * (size_t)(n * blocks));
-    b->q8 = bytes ? malloc(32 * (size_t)(n * blocks)) : NULL;
     b->d = malloc(sizeof(float) * 2 * (size_t)(n * blocks));
     b->s = b->d ? b->d + n * blocks : NULL;
-    if (b->q && (b->q8 || !bytes) && b->d) return 0;
+    b->q8 = bytes ? malloc(32 * padded) : NULL;
+    b->ds8 = bytes ? malloc(sizeof(float) * 2 * padded) : NULL;
+    if (b->q && b->d && ((b->q8 && b->ds8) || !bytes)) return 0;
     free(b->q);
-    free(b->q8);
     free(b->d);
+    free(b->q8);
+    free(b->ds8);
     return -2;
 }
 
 static void xbuf_free(xbuf *b) {
     free(b->q);
-    free(b->q8);
     free(b->d);
+    free(b->q8);
+    free(b->ds8);
 }
 
-/* the 32 values x rounded into block k of xb (its codes, as bytes too where they fit) */
-static inline void round_block(const float *x, int64_t k, int act_max, const xbuf *xb) {
-    int8_t *q8 = act_max <= 127 ? xb->q8 : NULL;
-    quantize_block(x, act_max, xb->q + 32 * k, q8 ? q8 + 32 * k : NULL, xb->d + k, xb->s + k);
+/* the 32 values x rounded into block k (token k / nb's block k % nb) of xb: its codes, d
+ * and s, and where they fit in bytes their copy in the byte tiles' order */
+static inline void round_block(const float *x, int64_t k, int64_t nb, int act_max, const xbuf *xb) {
+    int8_t q8[32];
+    quantize_block(x, act_max, xb->q + 32 * k, act_max <= 127 ? q8 : NULL, xb->d + k, xb->s + k);
+    if (act_max > 127) return;
+    const int64_t r = k / nb, i = k % nb, t = r % TILE_MR, g = r - t;  /* g: the group's first token */
+    int8_t *quads = xb->q8 + g * nb * 32 + i * 8 * TILE_MR * 4 + t * 4;
+    for (int j = 0; j < 8; j++) memcpy(quads + j * TILE_MR * 4, q8 + 4 * j, 4);
+    float *ds = xb->ds8 + g * nb * 2 + i * 2 * TILE_MR + t;
+    ds[0] = xb->d[k], ds[TILE_MR] = xb->s[k];
 }
 
 /* n tokens' activations x[n, cols] rounded into xb (codes within +-act_max; as bytes too
@@ -792,14 +809,14 @@ static inline void round_block(const float *x, int64_t k, int act_max, const xbu
 static void quantize_rows(const float *x, int64_t n, int64_t cols, int act_max, const xbuf *xb) {
     const int64_t blocks = n * (cols / 32);
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < blocks; k++) round_block(x + 32 * k, k, act_max, xb);
+    for (int64_t k = 0; k < blocks; k++) round_block(x + 32 * k, k, cols / 32, act_max, xb);
 }
 
 /* token r's activations xr[cols] rounded into its place in xb: quantize_rows' blocks of that
  * row, for a caller that has just computed the row (the same codes, without another pass) */
 static void quantize_row(const float *xr, int64_t r, int64_t cols, int act_max, const xbuf *xb) {
     const int64_t nb = cols / 32;
-    for (int64_t i = 0; i < nb; i++) round_block(xr + 32 * i, r * nb + i, act_max, xb);
+    for (int64_t i = 0; i < nb; i++) round_block(xr + 32 * i, r * nb + i, nb, act_max, xb);
 }
 
 /* rows [r0, r1) of y[n, rows] = x . W^T through dot_rows, from the rounded activations xb:
@@ -959,7 +976,6 @@ void radixkv_sgemm_small(const float *w, int64_t rows, int64_t cols, const float
  * the portable loop takes the same steps, fmaf rounding once as the lanes do), so a row's
  * result does not depend on the rows beside it. */
 #define TILE_NR 16 /* columns: two 8-lane vectors */
-#define TILE_MR 6  /* rows at most */
 
 /* Where a tile of tokens t.. puts the results of the panel of rows r0 .. r0 + nr of y[n, rows]:
  * a whole panel's straight into y's rows (*ostride = rows), a partial one's into the scratch
@@ -1118,12 +1134,13 @@ static void ig_panel(int type, const uint8_t *w, int64_t rb, int64_t r0, int64_t
 
 #ifdef USE_AVX2
 /* block i's exact integer sums a[t] (TILE_NR rows of token t) into the tokens' lane i % 8:
- * y = fma(m, s, fma(d dx, float(sum), y)), dot_split's float steps; first: the lane's
- * first block (it starts from zero) */
-INLINE void lanes_from(__m256 d0, __m256 d1, __m256 m0, __m256 m1, int64_t nb, const float *xd, const float *xs,
-                       const int mr, float *lanes, int64_t i, const int first, __m256i a[TILE_MR][2]) {
+ * y = fma(m, s, fma(d dx, float(sum), y)), dot_split's float steps; token t's dx and s of
+ * the block at xd[t ts] and xs[t ts]; first: the lane's first block (it starts from zero) */
+INLINE void lanes_from(__m256 d0, __m256 d1, __m256 m0, __m256 m1, const float *xd, const float *xs,
+                       const int64_t ts, const int mr, float *lanes, int64_t i, const int first,
+                       __m256i a[TILE_MR][2]) {
     for (int t = 0; t < mr; t++) {
-        const __m256 dx = _mm256_set1_ps(xd[t * nb + i]), sx = _mm256_set1_ps(xs[t * nb + i]);
+        const __m256 dx = _mm256_set1_ps(xd[t * ts]), sx = _mm256_set1_ps(xs[t * ts]);
         float *o = lanes + t * LANE_FLOATS + (i & 7) * TILE_NR;
         const __m256 y0 = first ? _mm256_setzero_ps() : _mm256_load_ps(o), y1 = first ? _mm256_setzero_ps() : _mm256_load_ps(o + 8);
         _mm256_store_ps(o, _mm256_fmadd_ps(m0, sx, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t][0]), _mm256_mul_ps(d0, dx), y0)));
@@ -1132,10 +1149,10 @@ INLINE void lanes_from(__m256 d0, __m256 d1, __m256 m0, __m256 m1, int64_t nb, c
 }
 
 /* lanes_from with the rows' d and m of block i from dm [nb][2][TILE_NR] */
-INLINE void into_lanes(const float *dm, int64_t nb, const float *xd, const float *xs, const int mr, float *lanes,
-                       int64_t i, const int first, __m256i a[TILE_MR][2]) {
+INLINE void into_lanes(const float *dm, const float *xd, const float *xs, const int64_t ts, const int mr,
+                       float *lanes, int64_t i, const int first, __m256i a[TILE_MR][2]) {
     const float *f = dm + i * 2 * TILE_NR;
-    lanes_from(_mm256_load_ps(f), _mm256_load_ps(f + 8), _mm256_load_ps(f + 16), _mm256_load_ps(f + 24), nb, xd, xs,
+    lanes_from(_mm256_load_ps(f), _mm256_load_ps(f + 8), _mm256_load_ps(f + 16), _mm256_load_ps(f + 24), xd, xs, ts,
                mr, lanes, i, first, a);
 }
 
@@ -1164,17 +1181,17 @@ INLINE void igblock(const int16_t *codes, const float *dm, int64_t nb, int64_t c
         const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 2 * TILE_NR * k + 16));
         madd_tokens(a, w0, w1, xq, cols, i, k, mr);
     }
-    into_lanes(dm, nb, xd, xs, mr, lanes, i, first, a);
+    into_lanes(dm, xd + i, xs + i, nb, mr, lanes, i, first, a);
 }
 
 /* step k (four columns) of block i for the tile's mr tokens on bytes: s[t] (16-bit sums) +=
- * pmaddubsw of w0, w1 and token t's k-th quad of byte codes broadcast; start: the sums
- * start here */
-INLINE void madd8_tokens(__m256i s[TILE_MR][2], __m256i w0, __m256i w1, const int8_t *xq8, int64_t cols, int64_t i,
-                         int k, const int mr, const int start) {
+ * pmaddubsw of w0, w1 and token t's k-th quad of byte codes broadcast (xq8: the tile's
+ * group of codes in xbuf's byte order); start: the sums start here */
+INLINE void madd8_tokens(__m256i s[TILE_MR][2], __m256i w0, __m256i w1, const int8_t *xq8, int64_t i, int k,
+                         const int mr, const int start) {
     for (int t = 0; t < mr; t++) {
         int32_t quad;
-        memcpy(&quad, xq8 + t * cols + 32 * i + 4 * k, sizeof quad);
+        memcpy(&quad, xq8 + ((i * 8 + k) * TILE_MR + t) * 4, sizeof quad);
         const __m256i xb = _mm256_set1_epi32(quad);
         const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
         if (start) {
@@ -1193,9 +1210,8 @@ INLINE void madd8_tokens(__m256i s[TILE_MR][2], __m256i w0, __m256i w1, const in
  * those (a block) sum in 16 bits for 4-bit codes (at most 30,480), four for 5-bit ones
  * (`wide`: the first half is widened and kept aside), then pmaddwd by ones gives each
  * row's exact int32 sum: igblock's integers, so the same float steps give the same bits. */
-INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                     const float *xd, const float *xs, const int mr, const int wide, float *lanes, int64_t i,
-                     const int first) {
+INLINE void igblock8(const uint8_t *codes8, const float *dm, const int8_t *xq8, const float *ds8, const int mr,
+                     const int wide, float *lanes, int64_t i, const int first) {
     __m256i s[TILE_MR][2];  /* 12 16-bit sums (then their 32-bit ones), two vectors of codes, a broadcast */
     __m256i half[TILE_MR][2];  /* wide: the first four quads' 32-bit sums */
     const __m256i ones = _mm256_set1_epi16(1);
@@ -1206,13 +1222,14 @@ INLINE void igblock8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t
             for (int t = 0; t < mr; t++) half[t][0] = _mm256_madd_epi16(s[t][0], ones), half[t][1] = _mm256_madd_epi16(s[t][1], ones);
         const __m256i w0 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k));
         const __m256i w1 = _mm256_load_si256((const __m256i *)(c + 4 * TILE_NR * k + 32));
-        madd8_tokens(s, w0, w1, xq8, cols, i, k, mr, k == 0 || (wide && k == 4));
+        madd8_tokens(s, w0, w1, xq8, i, k, mr, k == 0 || (wide && k == 4));
     }
     for (int t = 0; t < mr; t++) {
         s[t][0] = _mm256_madd_epi16(s[t][0], ones), s[t][1] = _mm256_madd_epi16(s[t][1], ones);
         if (wide) s[t][0] = _mm256_add_epi32(half[t][0], s[t][0]), s[t][1] = _mm256_add_epi32(half[t][1], s[t][1]);
     }
-    into_lanes(dm, nb, xd, xs, mr, lanes, i, first, s);
+    const float *ds = ds8 + i * 2 * TILE_MR;
+    into_lanes(dm, ds, ds + TILE_MR, 1, mr, lanes, i, first, s);
 }
 
 /* the panel's 16-bit codes tmp [TILE_NR][cols] (each < 32) as codes8 [cols / 4][TILE_NR][4]
@@ -1244,21 +1261,87 @@ INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out, 
         }
 }
 
-/* igtile_mr on byte panels (igblock8; wide: 5-bit codes) */
-INLINE void igtile8_mr(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                       const float *xd, const float *xs, const int mr, const int wide, float *lanes, float *out,
-                       int64_t ostride) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* With AVX512-VNNI the byte tiles take a block's 16 rows in one zmm: vpdpbusd multiplies
+ * each row's four unsigned codes by the token's four signed ones and adds the four products
+ * into the row's int32 lane in one instruction (pmaddubsw, an add and a closing pmaddwd on
+ * AVX2). And they go lane by lane: lane j's blocks j, j + 8, ... in order, its six tokens'
+ * sums in registers, stored once (the AVX2 tiles load and store a token's lane at every
+ * block). The integer sums are the same, each lane's float steps the same in the same
+ * order: the same bits as the AVX2 tiles and the portable loop. */
+#define BYTE_TILES_512 1
+
+/* step k (four columns) of block i: a[t] (16 rows' int32 sums) += w (the rows' four codes
+ * each) times token t's k-th quad of byte codes broadcast; the sums start at k == 0 */
+INLINE void dpbusd_tokens(__m512i a[TILE_MR], __m512i w, const int8_t *xq8, int64_t i, int k, const int mr) {
+    for (int t = 0; t < mr; t++) {
+        int32_t quad;
+        memcpy(&quad, xq8 + ((i * 8 + k) * TILE_MR + t) * 4, sizeof quad);
+        a[t] = _mm512_dpbusd_epi32(k == 0 ? _mm512_setzero_si512() : a[t], w, _mm512_set1_epi32(quad));
+    }
+}
+
+/* A byte tile (mr tokens by 16 rows) lane by lane into the tile's lanes, then lanes_out.
+ * head > 0: w is a stored PANELS8 panel of Q4_0 or Q4_1 (type), block i at w + i pb, its
+ * header (fp16 d, Q4_1's fp16 m) head bytes, then its codes; head == 0: w is codes8 and dm
+ * the panel's d and m (split_panels). xq8 and ds8: the tile's group in xbuf's byte order. */
+INLINE void tile8_512(const int type, const int64_t head, const int64_t pb, const uint8_t *w, const float *dm,
+                      int64_t nb, const int8_t *xq8, const float *ds8, const int mr, float *lanes, float *out,
+                      int64_t ostride) {
+    const __m512i low4 = _mm512_set1_epi8(0xF), high = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    for (int64_t j = 0; j < 8 && j < nb; j++) {
+        __m512 y[TILE_MR];
+        for (int t = 0; t < mr; t++) y[t] = _mm512_setzero_ps();
+        for (int64_t i = j; i < nb; i += 8) {
+            __m512i a[TILE_MR];
+            __m512 d, m;
+            if (head) {
+                const uint8_t *blk = w + i * pb, *c = blk + head;
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {  /* rows 0-7 are the low nibbles, rows 8-15 the high ones */
+                    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 32 * k)));
+                    dpbusd_tokens(a, _mm512_and_si512(_mm512_srlv_epi64(v, high), low4), xq8, i, k, mr);
+                }
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+                m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 1))
+                                   : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            } else {
+                const uint8_t *c = w + i * 32 * TILE_NR;
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) dpbusd_tokens(a, _mm512_load_si512((const void *)(c + 4 * TILE_NR * k)), xq8, i, k, mr);
+                d = _mm512_load_ps(dm + i * 2 * TILE_NR), m = _mm512_load_ps(dm + i * 2 * TILE_NR + TILE_NR);
+            }
+            const float *ds = ds8 + i * 2 * TILE_MR;
+            for (int t = 0; t < mr; t++) {  /* lanes_from's float steps */
+                const __m512 dx = _mm512_set1_ps(ds[t]), sx = _mm512_set1_ps(ds[TILE_MR + t]);
+                y[t] = _mm512_fmadd_ps(m, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t]), _mm512_mul_ps(d, dx), y[t]));
+            }
+        }
+        for (int t = 0; t < mr; t++) _mm512_store_ps(lanes + t * LANE_FLOATS + j * TILE_NR, y[t]);
+    }
+    lanes_out(lanes, nb, mr, out, ostride);
+}
+#endif
+
+/* igtile_mr on byte panels (igblock8; wide: 5-bit codes); xq8 and ds8: the tile's group in
+ * xbuf's byte order */
+INLINE void igtile8_mr(const uint8_t *codes8, const float *dm, int64_t nb, const int8_t *xq8, const float *ds8,
+                       const int mr, const int wide, float *lanes, float *out, int64_t ostride) {
+#ifdef BYTE_TILES_512
+    (void)wide;  /* vpdpbusd sums in 32 bits: 5-bit codes need nothing more */
+    tile8_512(0, 0, 0, codes8, dm, nb, xq8, ds8, mr, lanes, out, ostride);
+    return;
+#endif
     int64_t i = 0;
-    for (; i < nb && i < 8; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 1);
-    for (; i < nb; i++) igblock8(codes8, dm, nb, cols, xq8, xd, xs, mr, wide, lanes, i, 0);
+    for (; i < nb && i < 8; i++) igblock8(codes8, dm, xq8, ds8, mr, wide, lanes, i, 1);
+    for (; i < nb; i++) igblock8(codes8, dm, xq8, ds8, mr, wide, lanes, i, 0);
     lanes_out(lanes, nb, mr, out, ostride);
 }
 
-INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, int64_t cols, const int8_t *xq8,
-                    const float *xd, const float *xs, int mr, const int wide, float *lanes, float *out,
-                    int64_t ostride) {
-#define IGTILE8W(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 1, lanes, out, ostride)
-#define IGTILE8N(R) igtile8_mr(codes8, dm, nb, cols, xq8, xd, xs, R, 0, lanes, out, ostride)
+INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, const int8_t *xq8, const float *ds8, int mr,
+                    const int wide, float *lanes, float *out, int64_t ostride) {
+#define IGTILE8W(R) igtile8_mr(codes8, dm, nb, xq8, ds8, R, 1, lanes, out, ostride)
+#define IGTILE8N(R) igtile8_mr(codes8, dm, nb, xq8, ds8, R, 0, lanes, out, ostride)
     if (wide)
         WITH_CONSTANT_ROWS(mr, IGTILE8W);
     else
@@ -1310,9 +1393,9 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     const int64_t p0 = panels * me / nth, p1 = panels * (me + 1) / nth;
     int16_t *tmp = aligned_alloc(32, sizeof(int16_t) * TILE_NR * (size_t)cols);  /* cols: a multiple of 32 */
     int16_t *codes = aligned_alloc(32, sizeof(int16_t) * TILE_NR * (size_t)cols);
-    float *dm = aligned_alloc(32, sizeof(float) * 2 * TILE_NR * (size_t)nb), *dtmp = malloc(sizeof(float) * 2 * (size_t)nb);
+    float *dm = aligned_alloc(64, sizeof(float) * 2 * TILE_NR * (size_t)nb), *dtmp = malloc(sizeof(float) * 2 * (size_t)nb);
     float *out = aligned_alloc(32, sizeof(float) * TILE_NR * TILE_MR);
-    float *lanes = aligned_alloc(32, sizeof(float) * LANE_FLOATS * TILE_MR);
+    float *lanes = aligned_alloc(64, sizeof(float) * LANE_FLOATS * TILE_MR);  /* 64: the zmm byte tiles */
 #ifdef USE_AVX2  /* 4- and 5-bit codes and 8-bit activations: the byte panels (igblock8) */
     const int wide = m->type == T_Q5_0 || m->type == T_Q5_1;  /* 5-bit codes */
     const int bytes = m->act_max <= 127 && (wide || m->type == T_Q4_0 || m->type == T_Q4_1);
@@ -1320,7 +1403,7 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
     const int bytes = 0, wide = 0;
     (void)wide;
 #endif
-    uint8_t *codes8 = bytes ? aligned_alloc(32, TILE_NR * (size_t)cols) : NULL;
+    uint8_t *codes8 = bytes ? aligned_alloc(64, TILE_NR * (size_t)cols) : NULL;
     if (!tmp || !codes || !dm || !dtmp || !out || !lanes || (bytes && !codes8)) {
         kernel_rows(m, n, y, xb, p0 * TILE_NR, p1 * TILE_NR < rows ? p1 * TILE_NR : rows);
     } else {
@@ -1336,8 +1419,7 @@ static void split_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
                 float *to = tile_dest(y, rows, r0, nr, t, out, &ostride);
 #ifdef USE_AVX2
                 if (bytes)
-                    igtile8(codes8, dm, nb, cols, xb->q8 + t * cols, xb->d + t * nb, xb->s + t * nb, mr, wide, lanes,
-                            to, ostride);
+                    igtile8(codes8, dm, nb, xb->q8 + t * cols, xb->ds8 + t * nb * 2, mr, wide, lanes, to, ostride);
                 else
 #endif
                     igtile(codes, dm, nb, cols, xb->q + t * cols, xb->d + t * nb, xb->s + t * nb, mr, lanes, to,
@@ -1505,14 +1587,14 @@ static void panel_row(int kind, const uint8_t *w, int64_t r, int64_t cols, float
 }
 
 /* lanes_from with the d and m of a stored panel's block (its header: fp16 d, Q4_1's fp16 m) */
-INLINE void head_into_lanes(const int type, const uint8_t *blk, int64_t nb, const float *xd, const float *xs,
+INLINE void head_into_lanes(const int type, const uint8_t *blk, const float *xd, const float *xs, const int64_t ts,
                             const int mr, float *lanes, int64_t i, const int first, __m256i a[TILE_MR][2]) {
     const __m128i *h = (const __m128i *)blk;
     const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(h)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
     __m256 m0 = _mm256_setzero_ps(), m1 = m0;  /* Q8_0 */
     if (type == T_Q4_1) m0 = _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
     if (type == T_Q4_0) m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f)), m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
-    lanes_from(d0, d1, m0, m1, nb, xd, xs, mr, lanes, i, first, a);
+    lanes_from(d0, d1, m0, m1, xd, xs, ts, mr, lanes, i, first, a);
 }
 
 /* igblock on a stored panel: blk is block i's part of the panel (its header, then codes) */
@@ -1537,12 +1619,13 @@ INLINE void pblock(const int type, const uint8_t *blk, int64_t nb, int64_t cols,
         }
         madd_tokens(a, w0, w1, xq, cols, i, k, mr);
     }
-    head_into_lanes(type, blk, nb, xd, xs, mr, lanes, i, first, a);
+    head_into_lanes(type, blk, xd + i, xs + i, nb, mr, lanes, i, first, a);
 }
 
-/* igblock8 on a stored PANELS8 panel (Q4_0, Q4_1): the same byte products and exact sums */
-INLINE void pblock8(const int type, const uint8_t *blk, int64_t nb, int64_t cols, const int8_t *xq8, const float *xd,
-                    const float *xs, const int mr, float *lanes, int64_t i, const int first) {
+/* igblock8 on a stored PANELS8 panel (Q4_0, Q4_1): the same byte products and exact sums
+ * (xq8 and ds8: the tile's group in xbuf's byte order) */
+INLINE void pblock8(const int type, const uint8_t *blk, const int8_t *xq8, const float *ds8, const int mr,
+                    float *lanes, int64_t i, const int first) {
     __m256i s[TILE_MR][2];
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0xF);
     const uint8_t *c = blk + panel_head(type);
@@ -1550,24 +1633,32 @@ INLINE void pblock8(const int type, const uint8_t *blk, int64_t nb, int64_t cols
     for (int k = 0; k < 8; k++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * k));
         const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        madd8_tokens(s, w0, w1, xq8, cols, i, k, mr, k == 0);
+        madd8_tokens(s, w0, w1, xq8, i, k, mr, k == 0);
     }
     for (int t = 0; t < mr; t++) s[t][0] = _mm256_madd_epi16(s[t][0], ones), s[t][1] = _mm256_madd_epi16(s[t][1], ones);
-    head_into_lanes(type, blk, nb, xd, xs, mr, lanes, i, first, s);
+    const float *ds = ds8 + i * 2 * TILE_MR;
+    head_into_lanes(type, blk, ds, ds + TILE_MR, 1, mr, lanes, i, first, s);
 }
 
-/* bytes: a PANELS8 panel against the activations' byte codes (xq8), else the 16-bit ones (xq);
- * token t's TILE_NR results at out + t ostride */
+/* bytes: a PANELS8 panel against the activations' byte codes (xq8, scales ds8: the tile's
+ * group in xbuf's byte order), else the 16-bit ones (xq, xd, xs); token t's TILE_NR results
+ * at out + t ostride */
 INLINE void ptile_mr(const int type, const int bytes, const uint8_t *panel, int64_t nb, int64_t cols,
-                     const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, const int mr,
-                     float *lanes, float *out, int64_t ostride) {
+                     const int16_t *xq, const int8_t *xq8, const float *xd, const float *xs, const float *ds8,
+                     const int mr, float *lanes, float *out, int64_t ostride) {
     const int64_t pb = panel_block(type);
-#define PBLOCK(FIRST)                                                                \
-    do {                                                                             \
-        if (bytes)                                                                   \
-            pblock8(type, panel + i * pb, nb, cols, xq8, xd, xs, mr, lanes, i, FIRST); \
-        else                                                                         \
-            pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, FIRST);   \
+#ifdef BYTE_TILES_512
+    if (bytes) {
+        tile8_512(type, panel_head(type), pb, panel, NULL, nb, xq8, ds8, mr, lanes, out, ostride);
+        return;
+    }
+#endif
+#define PBLOCK(FIRST)                                                              \
+    do {                                                                           \
+        if (bytes)                                                                 \
+            pblock8(type, panel + i * pb, xq8, ds8, mr, lanes, i, FIRST);          \
+        else                                                                       \
+            pblock(type, panel + i * pb, nb, cols, xq, xd, xs, mr, lanes, i, FIRST); \
     } while (0)
     int64_t i = 0;
     for (; i < nb && i < 8; i++) PBLOCK(1);  /* a lane's first block: it starts from zero */
@@ -1577,8 +1668,9 @@ INLINE void ptile_mr(const int type, const int bytes, const uint8_t *panel, int6
 }
 
 static void ptile(int kind, const uint8_t *panel, int64_t nb, int64_t cols, const int16_t *xq, const int8_t *xq8,
-                  const float *xd, const float *xs, int mr, float *lanes, float *out, int64_t ostride) {
-#define PTILE(T, B, R) ptile_mr(T, B, panel, nb, cols, xq, xq8, xd, xs, R, lanes, out, ostride)
+                  const float *xd, const float *xs, const float *ds8, int mr, float *lanes, float *out,
+                  int64_t ostride) {
+#define PTILE(T, B, R) ptile_mr(T, B, panel, nb, cols, xq, xq8, xd, xs, ds8, R, lanes, out, ostride)
 #define PTILE_Q40(R) PTILE(T_Q4_0, 0, R)
 #define PTILE_Q41(R) PTILE(T_Q4_1, 0, R)
 #define PTILE_Q80(R) PTILE(T_Q8_0, 0, R)
@@ -1610,8 +1702,9 @@ INLINE void stored_panel(const qmat *m, int64_t t0, int64_t t1, float *y, const 
         const int mr = t1 - t < TILE_MR ? (int)(t1 - t) : TILE_MR;
         int64_t ostride;
         float *to = tile_dest(y, rows, r0, nr, t, out, &ostride);
-        ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, xb->q8 ? xb->q8 + t * cols : NULL,
-              xb->d + t * nb, xb->s + t * nb, mr, lanes, to, ostride);
+        const int bytes = xb->q8 != NULL;  /* the tile starts a group of TILE_MR tokens (t0 is a multiple) */
+        ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, bytes ? xb->q8 + t * cols : NULL, xb->d + t * nb,
+              xb->s + t * nb, bytes ? xb->ds8 + t * nb * 2 : NULL, mr, lanes, to, ostride);
         tile_tail(y, rows, r0, nr, t, mr, out);
     }
 }
@@ -1642,7 +1735,7 @@ static void stored_panels(const qmat *m, int64_t n, float *y, const xbuf *xb) {
 #ifdef HAVE_PANELS
     const int64_t panels = (m->rows + TILE_NR - 1) / TILE_NR, nth = omp_get_num_threads(), me = omp_get_thread_num();
     float out[TILE_NR * TILE_MR] __attribute__((aligned(32)));
-    float lanes[LANE_FLOATS * TILE_MR] __attribute__((aligned(32)));
+    float lanes[LANE_FLOATS * TILE_MR] __attribute__((aligned(64)));
     if (n >= CLAIM_FROM) {
         const int64_t spans = (n + TOKEN_SPAN - 1) / TOKEN_SPAN;
 #pragma omp for schedule(dynamic, 1) nowait

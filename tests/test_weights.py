@@ -215,6 +215,29 @@ def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id, 
         assert torch.equal(stacked.linear(x[:3]), torch.cat([p.linear(x[:3]) for p in parts], dim=1))
 
 
+@pytest.mark.skipif("avx512_vnni" not in weights.build.cpu_id().split(), reason="the zmm byte tiles need AVX512-VNNI")
+def test_the_avx512_byte_tiles_give_the_avx2_tiles_bits(monkeypatch):
+    """With AVX512-VNNI the byte tiles (8-bit activations on 4- and 5-bit codes) take 16
+    rows a zmm (vpdpbusd) and go lane by lane; built without AVX-512 (-mno-avx512f: the
+    AVX2 tiles, pmaddubsw) every product is the same bits, on the stored panels (Q4_0,
+    Q4_1) and the split layout's byte panels (Q5_0, Q5_1), from one token to spans of 96
+    that the threads claim (37 rows: a partial panel; 11 blocks: lanes of one and two)."""
+    rows, cols = 37, 352
+    x = torch.randn(203, cols, generator=torch.Generator().manual_seed(5))
+    x[:, 9] *= 40  # an outlier channel
+    blocks = {t: torch.from_numpy(random_blocks(t, rows, cols, seed=t)) for t in (2, 3, 6, 7)}
+    native = {t: PackedMatrix(t, b, cols, activation_bits=8) for t, b in blocks.items()}
+    monkeypatch.setattr(weights, "FLAGS", weights.FLAGS + ("-mno-avx512f",))
+    monkeypatch.setattr(weights, "_libraries", {})
+    avx2 = {t: PackedMatrix(t, b, cols, activation_bits=8) for t, b in blocks.items()}
+    assert avx2[3]._lib is not native[3]._lib
+    assert [m.layout for m in avx2.values()] == [m.layout for m in native.values()] == ["panels"] * 2 + ["split"] * 2
+    for t in blocks:
+        for n in (1, 6, 7, weights.DENSE_FROM + 3, 97, len(x)):
+            assert torch.equal(avx2[t].linear(x[:n], dense=True), native[t].linear(x[:n], dense=True)), (t, n)
+            assert torch.equal(avx2[t].linear(x[:n], dense=False), native[t].linear(x[:n], dense=False)), (t, n)
+
+
 @pytest.mark.skipif(not panels_built(), reason="this build has no stored panels (they need AVX2 and F16C)")
 def test_a_matrix_that_cannot_be_panels_keeps_the_split_layout_or_says_why():
     for type_id, bits in ((6, 16), (7, 8)):  # Q5_0, Q5_1 (their fifth bits: the split layout's byte panels)
