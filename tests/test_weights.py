@@ -215,27 +215,29 @@ def test_stored_panels_hold_the_blocks_and_give_the_split_layouts_bits(type_id, 
         assert torch.equal(stacked.linear(x[:3]), torch.cat([p.linear(x[:3]) for p in parts], dim=1))
 
 
-@pytest.mark.skipif("avx512_vnni" not in weights.build.cpu_id().split(), reason="the zmm byte tiles need AVX512-VNNI")
-def test_the_avx512_byte_tiles_give_the_avx2_tiles_bits(monkeypatch):
-    """With AVX512-VNNI the byte tiles (8-bit activations on 4- and 5-bit codes) take 16
-    rows a zmm (vpdpbusd) and go lane by lane; built without AVX-512 (-mno-avx512f: the
-    AVX2 tiles, pmaddubsw) every product is the same bits, on the stored panels (Q4_0,
-    Q4_1) and the split layout's byte panels (Q5_0, Q5_1), from one token to spans of 96
-    that the threads claim (37 rows: a partial panel; 11 blocks: lanes of one and two)."""
+@pytest.mark.skipif("avx512_vnni" not in weights.build.cpu_id().split(), reason="the zmm tiles need AVX512-VNNI")
+def test_the_avx512_tiles_give_the_avx2_tiles_bits(monkeypatch):
+    """With AVX512-VNNI the byte tiles take 16 rows a zmm (vpdpbusd) and go lane by lane,
+    and the 16-bit tiles sum pairs with vpdpwssd; built without AVX-512 (-mno-avx512f: the
+    AVX2 tiles, pmaddubsw and pmaddwd) every product is the same bits, at 8- and 16-bit
+    activations, on the stored panels (Q4_0, Q4_1, Q8_0) and the split layout's panels
+    (Q5_0, Q5_1), from one token to spans of 96 that the threads claim (37 rows: a partial
+    panel; 11 blocks: lanes of one and two blocks)."""
     rows, cols = 37, 352
     x = torch.randn(203, cols, generator=torch.Generator().manual_seed(5))
     x[:, 9] *= 40  # an outlier channel
-    blocks = {t: torch.from_numpy(random_blocks(t, rows, cols, seed=t)) for t in (2, 3, 6, 7)}
-    native = {t: PackedMatrix(t, b, cols, activation_bits=8) for t, b in blocks.items()}
+    blocks = {t: torch.from_numpy(random_blocks(t, rows, cols, seed=t)) for t in (2, 3, 8, 6, 7)}
+    cases = [(t, bits) for bits in (8, 16) for t in blocks]
+    native = {c: PackedMatrix(c[0], blocks[c[0]], cols, activation_bits=c[1]) for c in cases}
     monkeypatch.setattr(weights, "FLAGS", weights.FLAGS + ("-mno-avx512f",))
     monkeypatch.setattr(weights, "_libraries", {})
-    avx2 = {t: PackedMatrix(t, b, cols, activation_bits=8) for t, b in blocks.items()}
-    assert avx2[3]._lib is not native[3]._lib
-    assert [m.layout for m in avx2.values()] == [m.layout for m in native.values()] == ["panels"] * 2 + ["split"] * 2
-    for t in blocks:
+    avx2 = {c: PackedMatrix(c[0], blocks[c[0]], cols, activation_bits=c[1]) for c in cases}
+    assert avx2[(3, 8)]._lib is not native[(3, 8)]._lib
+    assert [m.layout for m in avx2.values()] == [m.layout for m in native.values()] == (["panels"] * 3 + ["split"] * 2) * 2
+    for c in cases:
         for n in (1, 6, 7, weights.DENSE_FROM + 3, 97, len(x)):
-            assert torch.equal(avx2[t].linear(x[:n], dense=True), native[t].linear(x[:n], dense=True)), (t, n)
-            assert torch.equal(avx2[t].linear(x[:n], dense=False), native[t].linear(x[:n], dense=False)), (t, n)
+            assert torch.equal(avx2[c].linear(x[:n], dense=True), native[c].linear(x[:n], dense=True)), (c, n)
+            assert torch.equal(avx2[c].linear(x[:n], dense=False), native[c].linear(x[:n], dense=False)), (c, n)
 
 
 @pytest.mark.skipif(not panels_built(), reason="this build has no stored panels (they need AVX2 and F16C)")
