@@ -248,8 +248,9 @@ static void dequant_block(int type, const uint8_t *b, float *y) {
  * A token's rounded activations: codes q[32 i + j] and, per block i, its scale d[i] and
  * s[i] = d[i] * sum(codes of block i). Codes span +-act_max: 32767 (16-bit codes, the
  * default) or 127 (8-bit, llama.cpp's activation precision: the integer panels then take
- * pmaddubsw, twice pmaddwd's multiply-adds an instruction). Every product's integer sums
- * are exact either way, so a token's bits depend on act_max, never on the path. */
+ * pmaddubsw, twice pmaddwd's multiply-adds an instruction, or AVX512-VNNI's vpdpbusd, four
+ * times). Every product's integer sums are exact either way, so a token's bits depend on
+ * act_max, never on the path. */
 typedef struct {
     const int16_t *q;
     const float *d, *s;

@@ -304,7 +304,8 @@ class PackedMatrix:
         32-value types on integers (the rows' codes as 16-bit pairs against the
         activations' 16-bit codes, pmaddwd, or AVX512-VNNI's vpdpwssd where the CPU has it;
         with ``activation_bits`` 8, the Q4 and Q5 types as bytes against the activations' bytes,
-        pmaddubsw; exact sums per block scaled once per block), for the K-quants in float32 (the
+        pmaddubsw, or AVX512-VNNI's vpdpbusd over 16 rows a zmm; exact sums per block scaled
+        once per block), for the K-quants in float32 (the
         rounded activations times the weights dequantized into the panel). Both are
         batch-invariant (a fixed order of steps per output, whatever the batch, the tile or
         the threads). For the 32-value types the panels take the kernel's float steps in
