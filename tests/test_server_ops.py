@@ -230,7 +230,7 @@ def test_access_log_lines(ops_server, http):
     text = Path(ops_server.access_path).read_text()
     assert SALT not in text and KEY not in text
     # 4xx are logged with their reason
-    log = wait_for(lambda: (t := log_text(ops_server)) and "-> 401" in t and t, what="error log lines")
+    log = wait_for(lambda: (t := log_text(ops_server)) and "GET /stats -> 401" in t and t, what="error log lines")
     assert re.search(r"INFO radixkv.server: POST /generate -> 400: .*temperature.* \(param sampling_params.temperature\)",
                      log)  # fmt: skip
     assert "GET /stats -> 401: invalid or missing API key" in log
