@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from radixkv.cache.events import check_endpoint, check_format
@@ -16,6 +17,16 @@ from radixkv.validate import check_float, check_int, check_optional_int
 
 
 WEIGHTS = ("auto", "native", "fp32", "bf16", "fp16")
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 DEFAULT_KV_MEMORY_SHARE = 0.25  # of the memory available after loading: the KV pool when no size is given
 MAX_KV_MEMORY_SHARE = 0.95
 MAX_THREADS = 1024  # a sanity bound on the threads setting (torch refuses nothing)

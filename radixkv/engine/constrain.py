@@ -48,6 +48,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from radixkv.engine.config import cpu_count
 from radixkv.errors import FieldError
 
 MAX_PATTERN_CHARS = 1000
@@ -314,11 +315,9 @@ def _executor():
     global _llexecutor
     with _mask_thread_lock:
         if _llexecutor is None:
-            import os
-
             import llguidance
 
-            _llexecutor = llguidance.LLExecutor(max(1, len(os.sched_getaffinity(0))))
+            _llexecutor = llguidance.LLExecutor(cpu_count())
         return _llexecutor
 
 

@@ -17,7 +17,7 @@ import time
 from radixkv.cache.events import FORMATS as EVENT_FORMATS
 from radixkv.cache.formats import FORMATS
 from radixkv.cache.tiers import WRITE_POLICIES
-from radixkv.engine.config import KV_COMMIT, PARTIAL_PAGES, WEIGHTS
+from radixkv.engine.config import KV_COMMIT, PARTIAL_PAGES, WEIGHTS, cpu_count
 from radixkv.engine.engine import EngineConfig
 from radixkv.kernels import BACKENDS
 from radixkv.server.app import ServerConfig
@@ -234,14 +234,6 @@ def replica_flags(engine_config: EngineConfig, server_config: ServerConfig) -> l
             else:
                 out += [flag, "none" if value is None else str(value)]
     return out
-
-
-def cpu_count() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def replica_threads(n: int, cpus: int | None = None) -> int:
