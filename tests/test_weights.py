@@ -380,15 +380,18 @@ def all_logits(model, ids):
     return model.forward(ForwardBatch.build([SeqInput(ids, 0, table)], 16), pool, get_backend("torch"), all_logits=True)
 
 
-@pytest.mark.parametrize("backend, kv_dtype", [("auto", "fp32"), ("auto", "bf16"), ("auto", "fp16"), ("auto", "int8"),
-                                               ("torch", "fp32")])  # fmt: skip
-def test_a_step_in_one_call_gives_the_bits_of_the_layer_loop(native, backend, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("backend, kv_dtype, bits", [("auto", "fp32", 16), ("auto", "bf16", 16), ("auto", "fp16", 16),
+                                                     ("auto", "int8", 16), ("torch", "fp32", 16), ("auto", "bf16", 8)])  # fmt: skip
+def test_a_step_in_one_call_gives_the_bits_of_the_layer_loop(request, backend, kv_dtype, bits, monkeypatch):
     """A native model's steps skip the Python layer loop: over float32, bfloat16 or half
     pages with the CPU attention kernels the whole step is one C call (its K/V stores
     round to 16 bits as torch does), whether it holds prefills (only their last rows past
     the last layer), decode rows, extends read on every row or decode rows beside an
     extend; else one C call per layer's stretch between attentions. Both must give the
-    bits of the step-by-step loop: every step's logits and the KV written."""
+    bits of the step-by-step loop: every step's logits and the KV written. With 8-bit
+    activations too (each norm and SwiGLU row rounded into the byte tiles' order as it is
+    computed, where the loop rounds a product's whole input)."""
+    native = request.getfixturevalue("native") if bits == 16 else load_model(native=True, activation_bits=8)
     c = native.config
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (20, 33, 7)]
