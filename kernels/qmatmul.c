@@ -1266,10 +1266,10 @@ INLINE void lanes_out(const float *lanes, int64_t nb, const int mr, float *out, 
 /* With AVX512-VNNI the byte tiles take a block's 16 rows in one zmm: vpdpbusd multiplies
  * each row's four unsigned codes by the token's four signed ones and adds the four products
  * into the row's int32 lane in one instruction (pmaddubsw, an add and a closing pmaddwd on
- * AVX2). And they go lane by lane: lane j's blocks j, j + 8, ... in order, its six tokens'
- * sums in registers, stored once (the AVX2 tiles load and store a token's lane at every
- * block). The integer sums are the same, each lane's float steps the same in the same
- * order: the same bits as the AVX2 tiles and the portable loop. */
+ * AVX2). And each lane's float sums stay in registers, stored once (the AVX2 tiles load
+ * and store a token's lane at every block; see tile8_512). The integer sums are the same,
+ * each lane's float steps the same in the same order: the same bits as the AVX2 tiles and
+ * the portable loop. */
 #define BYTE_TILES_512 1
 
 /* step k (four columns) of block i: a[t] (16 rows' int32 sums) += w (the rows' four codes
@@ -1282,43 +1282,65 @@ INLINE void dpbusd_tokens(__m512i a[TILE_MR], __m512i w, const int8_t *xq8, int6
     }
 }
 
-/* A byte tile (mr tokens by 16 rows) lane by lane into the tile's lanes, then lanes_out.
- * head > 0: w is a stored PANELS8 panel of Q4_0 or Q4_1 (type), block i at w + i pb, its
- * header (fp16 d, Q4_1's fp16 m) head bytes, then its codes; head == 0: w is codes8 and dm
- * the panel's d and m (split_panels). xq8 and ds8: the tile's group in xbuf's byte order. */
+/* block i of a byte tile into y[t] (the block's lane of token t), lanes_from's float steps;
+ * the arguments as tile8_512's */
+INLINE void block8_512(const int type, const int64_t head, const int64_t pb, const uint8_t *w, const float *dm,
+                       const int8_t *xq8, const float *ds8, const int mr, int64_t i, __m512 y[TILE_MR]) {
+    const __m512i low4 = _mm512_set1_epi8(0xF), high = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    __m512i a[TILE_MR];
+    __m512 d, m;
+    if (head) {
+        const uint8_t *blk = w + i * pb, *c = blk + head;
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {  /* rows 0-7 are the low nibbles, rows 8-15 the high ones */
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 32 * k)));
+            dpbusd_tokens(a, _mm512_and_si512(_mm512_srlv_epi64(v, high), low4), xq8, i, k, mr);
+        }
+        d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 1))
+                           : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    } else {
+        const uint8_t *c = w + i * 32 * TILE_NR;
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) dpbusd_tokens(a, _mm512_load_si512((const void *)(c + 4 * TILE_NR * k)), xq8, i, k, mr);
+        d = _mm512_load_ps(dm + i * 2 * TILE_NR), m = _mm512_load_ps(dm + i * 2 * TILE_NR + TILE_NR);
+    }
+    const float *ds = ds8 + i * 2 * TILE_MR;
+    for (int t = 0; t < mr; t++) {
+        const __m512 dx = _mm512_set1_ps(ds[t]), sx = _mm512_set1_ps(ds[TILE_MR + t]);
+        y[t] = _mm512_fmadd_ps(m, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t]), _mm512_mul_ps(d, dx), y[t]));
+    }
+}
+
+/* A byte tile (mr tokens by 16 rows) into the tile's lanes, then lanes_out. head > 0: w is
+ * a stored PANELS8 panel of Q4_0 or Q4_1 (type), block i at w + i pb, its header (fp16 d,
+ * Q4_1's fp16 m) head bytes, then its codes; head == 0: w is codes8 and dm the panel's d
+ * and m (split_panels). xq8 and ds8: the tile's group in xbuf's byte order. Up to two
+ * tokens (decode rows) all 8 lanes stay in registers and the blocks go in order (the
+ * weights stream past once, in memory order); more, lane by lane (lane j's blocks j, j + 8,
+ * ...), each lane's sums in registers. Either way each lane's steps keep their order. */
 INLINE void tile8_512(const int type, const int64_t head, const int64_t pb, const uint8_t *w, const float *dm,
                       int64_t nb, const int8_t *xq8, const float *ds8, const int mr, float *lanes, float *out,
                       int64_t ostride) {
-    const __m512i low4 = _mm512_set1_epi8(0xF), high = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-    for (int64_t j = 0; j < 8 && j < nb; j++) {
-        __m512 y[TILE_MR];
-        for (int t = 0; t < mr; t++) y[t] = _mm512_setzero_ps();
-        for (int64_t i = j; i < nb; i += 8) {
-            __m512i a[TILE_MR];
-            __m512 d, m;
-            if (head) {
-                const uint8_t *blk = w + i * pb, *c = blk + head;
+    if (mr <= 2) {
+        __m512 y[8][TILE_MR];
 #pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) {  /* rows 0-7 are the low nibbles, rows 8-15 the high ones */
-                    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 32 * k)));
-                    dpbusd_tokens(a, _mm512_and_si512(_mm512_srlv_epi64(v, high), low4), xq8, i, k, mr);
-                }
-                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-                m = type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk + 1))
-                                   : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-            } else {
-                const uint8_t *c = w + i * 32 * TILE_NR;
+        for (int j = 0; j < 8; j++)
+            for (int t = 0; t < mr; t++) y[j][t] = _mm512_setzero_ps();
+        for (int64_t i0 = 0; i0 < nb; i0 += 8)
 #pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) dpbusd_tokens(a, _mm512_load_si512((const void *)(c + 4 * TILE_NR * k)), xq8, i, k, mr);
-                d = _mm512_load_ps(dm + i * 2 * TILE_NR), m = _mm512_load_ps(dm + i * 2 * TILE_NR + TILE_NR);
-            }
-            const float *ds = ds8 + i * 2 * TILE_MR;
-            for (int t = 0; t < mr; t++) {  /* lanes_from's float steps */
-                const __m512 dx = _mm512_set1_ps(ds[t]), sx = _mm512_set1_ps(ds[TILE_MR + t]);
-                y[t] = _mm512_fmadd_ps(m, sx, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t]), _mm512_mul_ps(d, dx), y[t]));
-            }
+            for (int j = 0; j < 8; j++)
+                if (i0 + j < nb) block8_512(type, head, pb, w, dm, xq8, ds8, mr, i0 + j, y[j]);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            for (int t = 0; t < mr; t++) _mm512_store_ps(lanes + t * LANE_FLOATS + j * TILE_NR, y[j][t]);
+    } else {
+        for (int64_t j = 0; j < 8 && j < nb; j++) {
+            __m512 y[TILE_MR];
+            for (int t = 0; t < mr; t++) y[t] = _mm512_setzero_ps();
+            for (int64_t i = j; i < nb; i += 8) block8_512(type, head, pb, w, dm, xq8, ds8, mr, i, y);
+            for (int t = 0; t < mr; t++) _mm512_store_ps(lanes + t * LANE_FLOATS + j * TILE_NR, y[t]);
         }
-        for (int t = 0; t < mr; t++) _mm512_store_ps(lanes + t * LANE_FLOATS + j * TILE_NR, y[t]);
     }
     lanes_out(lanes, nb, mr, out, ostride);
 }
