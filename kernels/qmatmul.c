@@ -1302,7 +1302,8 @@ INLINE void block8_512(const int type, const int64_t head, const int64_t pb, con
     } else {
         const uint8_t *c = w + i * 32 * TILE_NR;
 #pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) dpbusd_tokens(a, _mm512_load_si512((const void *)(c + 4 * TILE_NR * k)), xq8, i, k, mr);
+        for (int k = 0; k < 8; k++)
+            dpbusd_tokens(a, _mm512_load_si512((const void *)(c + 4 * TILE_NR * k)), xq8, i, k, mr);
         d = _mm512_load_ps(dm + i * 2 * TILE_NR), m = _mm512_load_ps(dm + i * 2 * TILE_NR + TILE_NR);
     }
     const float *ds = ds8 + i * 2 * TILE_MR;
@@ -1353,12 +1354,12 @@ INLINE void igtile8_mr(const uint8_t *codes8, const float *dm, int64_t nb, const
 #ifdef BYTE_TILES_512
     (void)wide;  /* vpdpbusd sums in 32 bits: 5-bit codes need nothing more */
     tile8_512(0, 0, 0, codes8, dm, nb, xq8, ds8, mr, lanes, out, ostride);
-    return;
-#endif
+#else
     int64_t i = 0;
     for (; i < nb && i < 8; i++) igblock8(codes8, dm, xq8, ds8, mr, wide, lanes, i, 1);
     for (; i < nb; i++) igblock8(codes8, dm, xq8, ds8, mr, wide, lanes, i, 0);
     lanes_out(lanes, nb, mr, out, ostride);
+#endif
 }
 
 INLINE void igtile8(const uint8_t *codes8, const float *dm, int64_t nb, const int8_t *xq8, const float *ds8, int mr,
@@ -1721,11 +1722,11 @@ INLINE void stored_panel(const qmat *m, int64_t t0, int64_t t1, float *y, const 
     const int type = m->type & ~STORED;
     const int64_t cols = m->cols, nb = cols / 32, rows = m->rows, stride = nb * panel_block(type);
     const int64_t r0 = c * TILE_NR, nr = rows - r0 < TILE_NR ? rows - r0 : TILE_NR;
+    const int bytes = xb->q8 != NULL;  /* each tile starts a group of xbuf's byte order: t0 is a multiple of TILE_MR */
     for (int64_t t = t0; t < t1; t += TILE_MR) {
         const int mr = t1 - t < TILE_MR ? (int)(t1 - t) : TILE_MR;
         int64_t ostride;
         float *to = tile_dest(y, rows, r0, nr, t, out, &ostride);
-        const int bytes = xb->q8 != NULL;  /* the tile starts a group of TILE_MR tokens (t0 is a multiple) */
         ptile(m->type, m->w + c * stride, nb, cols, xb->q + t * cols, bytes ? xb->q8 + t * cols : NULL, xb->d + t * nb,
               xb->s + t * nb, bytes ? xb->ds8 + t * nb * 2 : NULL, mr, lanes, to, ostride);
         tile_tail(y, rows, r0, nr, t, mr, out);
