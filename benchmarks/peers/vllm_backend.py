@@ -9,8 +9,9 @@ Settings, the ones a user serving several clients on this CPU would pick: float3
 (``VllmServer(dtype="bfloat16")``, system ``vllm-bf16`` in ``bench_e2e.py``: vLLM's default
 on a CPU, its bf16 matrix kernels; the weights are then the float32 checkpoint rounded to
 bf16 on load, as the original checkpoint stores them), prefix caching on, 2 OpenMP
-threads bound to cores 0-1 (``VLLM_CPU_OMP_THREADS_BIND``), a 3 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``; 69,888 tokens, radixkv's pool in ``bench``
-holds 65,536), 32-token blocks (only whole blocks are shared; 32 is the least its CPU
+threads bound to cores 0-1 (``VLLM_CPU_OMP_THREADS_BIND``), a 3 GiB KV cache
+(``VLLM_CPU_KVCACHE_SPACE``; 69,888 tokens, radixkv's pool in ``bench`` holds 65,536),
+32-token blocks (only whole blocks are shared; 32 is the least its CPU
 attention takes, and it beat the default 128 on every workload: 1.1-1.8x throughput at
 ``--scale small``).
 Prompts go as token ids to ``/v1/completions`` and the generated ids come back
