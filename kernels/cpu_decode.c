@@ -1584,7 +1584,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
     int err = 0;
 #pragma omp parallel
     {
-        float *qT = aligned_alloc(64, sizeof(float) * (size_t)(ECHUNK * d));
+        float *qT = bfp ? NULL : aligned_alloc(64, sizeof(float) * (size_t)(ECHUNK * d));  /* bf16 products: qP */
         float *ob = aligned_alloc(64, sizeof(float) * (size_t)(ECHUNK * d));
         float *sT = aligned_alloc(64, sizeof(float) * ECHUNK * EK);
         float *zero = aligned_alloc(64, sizeof(float) * (size_t)d);
@@ -1598,7 +1598,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
         uint32_t *vP = bfp ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(EK / 2 * d)) : NULL;
         float *kb = half && !bfp ? aligned_alloc(64, sizeof(float) * (size_t)(EK * d)) : NULL;
         float *vb = half && !bfp ? aligned_alloc(64, sizeof(float) * (size_t)(EK * d)) : NULL;
-        if (!qT || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bfp && (!qP || !pP || !vP)) ||
+        if ((!bfp && !qT) || !ob || !sT || !zero || !m || !l || !alpha || !lastp || !firstp || (bfp && (!qP || !pP || !vP)) ||
             (half && !bfp && (!kb || !vb))) {
 #pragma omp atomic write
             err = -2;
