@@ -7,7 +7,10 @@ twice. ``cpu_decode.c`` reads K/V in place through the page table instead, one O
 task per range of ~128 positions of a sequence's context (by its length alone, so a row
 is the same bits in any batch and on any thread count), accumulating in float32. It reads
 fp32 pages, bf16 and fp16 pages (each row widened to float32 as it is read: exact, so the
-sums are fp32's over the values the cache holds, at half the bytes), int8 pages and
+sums are fp32's over the values the cache holds, at half the bytes; where the CPU has
+AVX512-BF16, bf16 rows of head size 64 without a soft cap multiply in bf16 instead, as
+extends do below, ``bf16_decode``: the query and the softmax weights rounded to bf16,
+every sum float32), int8 pages and
 int4 pages without dequantizing them: int8's log-scale byte per token and KV head (looked
 up in ``kv.format.log_scales()``), and int4's fp16 (scale, offset) per channel of a page
 (K) and per token (V), are folded into the dot products and
@@ -110,6 +113,8 @@ class CpuBackend(TorchBackend):
         self._extend_kernel = self._lib.radixkv_paged_extend(*[None] * 9, 0, 1, 1, 32, 1, 1.0, 0, _KV_FP32) == 0
         # bf16 pages' extends: products in bf16 (AVX512-BF16), else rows widened to float32
         self.bf16_products = self._extend_kernel and self._lib.radixkv_extend_bf16_products() == 1
+        # bf16 pages' decode rows of head size 64: products in bf16 as well (the same CPUs)
+        self.bf16_decode = self._lib.radixkv_decode_bf16_products() == 1
 
     def plan(self, batch) -> None:
         super().plan(batch)

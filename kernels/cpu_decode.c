@@ -310,6 +310,130 @@ INLINE void weigh_v_in_registers(const float *scores, int64_t span, const float 
 #define V_SUMS_IN_REGISTERS 0
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512F__)
+/* Decode rows on bf16 pages with bf16 products (vdpbf16ps), as the extend kernel computes
+ * on them (see BF16_PRODUCTS below): each query head scaled and rounded to bf16 once, its
+ * scores float32 sums of its pairs of dims against K's as the pages hold them; the softmax
+ * in float32 (softmax_rows, the normaliser from the unrounded weights); the weights rounded
+ * to bf16 for V's sums, two positions a lane against V's pairs. Widening every K and V row
+ * to float32 and summing each score across a vector cost ~3x this. Head size 64. */
+#define DECODE_BF16 1
+
+/* lane u of the result = the sum of the 16 lanes of v[4 (u % 4) + u / 4]: a transposing
+ * tree, 15 pairwise steps of two shuffles and an add where one reduction a vector takes 8 */
+INLINE __m512 lane_sums16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int u = 0; u < 8; u++)  /* lanes 0-7: v[2u]'s halves added, 8-15: v[2u + 1]'s */
+        a[u] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * u], v[2 * u + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * u], v[2 * u + 1], 0xEE));
+    for (int u = 0; u < 4; u++)  /* quarter k: 4 partial sums of v[4u + k] */
+        b[u] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0xDD));
+    for (int u = 0; u < 2; u++) {  /* quarter k: 2 of v[8u + k], 2 of v[8u + 4 + k] */
+        const __m512d x = _mm512_castps_pd(b[2 * u]), y = _mm512_castps_pd(b[2 * u + 1]);
+        c[u] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* quarter k: the sums of v[k], v[4 + k], v[8 + k], v[12 + k] */
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+/* the bf16 row of token t: pages' rows of `row` elements */
+INLINE const uint16_t *bf16_row(const void *cache, const int32_t *pages, int64_t pg, int64_t off, int64_t page_size,
+                                int64_t row) {
+    return (const uint16_t *)cache + ((int64_t)pages[pg] * page_size + off) * row;
+}
+
+/* attend_part for bf16 pages, head size 64 and no soft cap (the same outputs: m, l, acc, mass) */
+INLINE void attend_part_bf16(const float *qi, const void *k_cache, const void *v_cache, const int32_t *pages,
+                             int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
+                             int64_t hkv, int64_t page_size, float scale, float *mass, float *kept) {
+    const int64_t d = 64, group = hq / hkv, row = hkv * d, span = to - from, pairs = (span + 1) / 2;
+    uint16_t qb[hq * d];  /* the scaled queries in bf16 */
+    for (int64_t j = 0; j < hq; j++)
+        for (int64_t e = 0; e < d; e += 16)
+            _mm256_storeu_si256((__m256i *)(qb + j * d + e),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qi + j * d + e),
+                                                                          _mm512_set1_ps(scale))));
+    for (int64_t t0 = from, pg = from / page_size, off = from % page_size; t0 < to; t0 += 16) {
+        const int n = to - t0 < 16 ? (int)(to - t0) : 16;
+        const uint16_t *kr[16];
+        for (int u = 0; u < 16; u++) {  /* slot 4 (u % 4) + u / 4 holds position t0 + u (lane_sums16's order) */
+            kr[4 * (u % 4) + u / 4] = bf16_row(k_cache, pages, pg, off, page_size, row);
+            if (u + 1 < n && ++off == page_size) off = 0, pg++;
+        }
+        if (++off == page_size) off = 0, pg++;  /* on to t0 + 16 (past n: unused) */
+        /* ask for the next block's K rows and this block's V rows (the V pass reads them
+         * once the scores are done) while this block's scores are computed */
+        for (int64_t u = 0, p2 = pg, o2 = off; u < 16 && t0 + 16 + u < to; u++) {
+            prefetch_bytes(bf16_row(k_cache, pages, p2, o2, page_size, row), row * 2);
+            if (++o2 == page_size) o2 = 0, p2++;
+        }
+        for (int u = 0; u < n; u++) prefetch_bytes(bf16_row(v_cache, pages, (t0 + u) / page_size, (t0 + u) % page_size, page_size, row), row * 2);
+        for (int64_t h = 0, j = 0; h < hkv; h++)
+            for (int64_t g = 0; g < group; g++, j++) {
+                const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qb + j * d),
+                               q1 = (__m512bh)_mm512_loadu_si512(qb + j * d + 32);
+                __m512 v[16];
+                for (int u = 0; u < 16; u++) {
+                    const uint16_t *k = kr[u] + h * d;
+                    v[u] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k)),
+                                            q1, (__m512bh)_mm512_loadu_si512(k + 32));
+                }
+                _mm512_mask_storeu_ps(scores + j * span + (t0 - from), (__mmask16)((1u << n) - 1), lane_sums16(v));
+            }
+    }
+    softmax_rows(scores, acc, m, l, hq, d, span);
+    if (mass != NULL) observe_range(scores, l, hq, span, mass, kept);
+    /* each head's weights in bf16 pairs of positions (t, t + 1), the odd last one paired with 0 */
+    uint32_t wp[hq * pairs + 16];
+    for (int64_t j = 0; j < hq; j++)
+        for (int64_t u = 0; u < span; u += 32) {
+            const int64_t left = span - u;
+            const __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1),
+                            hi = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            const __m512 w0 = _mm512_maskz_loadu_ps(lo, scores + j * span + u),
+                         w1 = _mm512_maskz_loadu_ps(hi, scores + j * span + u + 16);
+            _mm512_storeu_si512(wp + j * pairs + u / 2, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        }
+    /* V's sums: dims in unpack order (lane 4k + i of sum 0 is dim 8k + i, of sum 1 dim 8k + 4 + i,
+     * sums 2 and 3 the same from dim 32), put back in order as they are stored */
+    const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                  hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t h = 0; h < hkv; h++)
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            const int64_t j0 = h * group + g0, nh = group - g0 < 4 ? group - g0 : 4;
+            __m512 a[4][4];
+            for (int k = 0; k < 4; k++)
+                for (int i = 0; i < 4; i++) a[k][i] = _mm512_setzero_ps();
+            for (int64_t u = 0, pg = from / page_size, off = from % page_size; u < pairs; u++) {
+                const uint16_t *r0 = bf16_row(v_cache, pages, pg, off, page_size, row) + h * d, *r1 = r0;
+                if (++off == page_size) off = 0, pg++;
+                if (2 * u + 1 < span) {
+                    r1 = bf16_row(v_cache, pages, pg, off, page_size, row) + h * d;
+                    if (++off == page_size) off = 0, pg++;
+                }
+                const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r0 + 32),
+                              y0 = _mm512_loadu_si512(r1), y1 = _mm512_loadu_si512(r1 + 32);
+                const __m512bh p[4] = {(__m512bh)_mm512_unpacklo_epi16(x0, y0), (__m512bh)_mm512_unpackhi_epi16(x0, y0),
+                                       (__m512bh)_mm512_unpacklo_epi16(x1, y1), (__m512bh)_mm512_unpackhi_epi16(x1, y1)};
+                for (int k = 0; k < nh; k++) {
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wp[(j0 + k) * pairs + u]);
+                    for (int i = 0; i < 4; i++) a[k][i] = _mm512_dpbf16_ps(a[k][i], w, p[i]);
+                }
+            }
+            for (int k = 0; k < nh; k++) {
+                float *o = acc + (j0 + k) * d;
+                _mm512_storeu_ps(o, _mm512_permutex2var_ps(a[k][0], lo_dims, a[k][1]));
+                _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a[k][0], hi_dims, a[k][1]));
+                _mm512_storeu_ps(o + 32, _mm512_permutex2var_ps(a[k][2], lo_dims, a[k][3]));
+                _mm512_storeu_ps(o + 48, _mm512_permutex2var_ps(a[k][2], hi_dims, a[k][3]));
+            }
+        }
+}
+#else
+#define DECODE_BF16 0
+#endif
+
 /* Sequence i's query heads against positions [from, to) of its context, unnormalized:
  * per head j, m[j] = the largest score, l[j] = sum of exp(score - m[j]) and
  * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. mass,
@@ -321,6 +445,13 @@ INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cach
                         int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
                         int64_t hkv, int64_t d, int64_t page_size, float scale, float softcap, float *mass,
                         float *kept, const int fmt, int in_registers) {
+#if DECODE_BF16
+    if (fmt == KV_BF16 && d == 64 && softcap <= 0.0f) {  /* soft-capped rows stay exact, as extends do */
+        attend_part_bf16(qi, k_cache, v_cache, pages, from, to, scores, acc, m, l, hq, hkv, page_size, scale, mass,
+                         kept);
+        return;
+    }
+#endif
     const int64_t group = hq / hkv, row = hkv * d, span = to - from, size = fmt == KV_FP32 ? 4 : 2;
     float buf[fmt == KV_FP32 ? 1 : row];
     for (int64_t t = from; t < to; t++) {
@@ -1561,6 +1692,9 @@ INLINE void pv_tile16_bf(const uint32_t *pP, int64_t rs, const uint32_t *vP, int
 /* 1 when bf16 pages' extends multiply in bf16 (this build has AVX512-BF16), else 0 */
 int radixkv_extend_bf16_products(void) { return BF16_PRODUCTS; }
 
+/* 1 when bf16 pages' decode rows of head size 64 multiply in bf16 (attend_part_bf16), else 0 */
+int radixkv_decode_bf16_products(void) { return DECODE_BF16; }
+
 int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,
                          const int32_t *seq_lens, float *out, int64_t nseq, int64_t hq, int64_t hkv, int64_t d,
@@ -1733,6 +1867,7 @@ int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cach
 }
 #else
 int radixkv_extend_bf16_products(void) { return 0; }
+int radixkv_decode_bf16_products(void) { return 0; }
 
 int radixkv_paged_extend(const float *q, const void *k_cache, const void *v_cache, const int64_t *q_start,
                          const int32_t *n_new, const int32_t *kv_starts, const int32_t *kv_indices,

@@ -156,14 +156,49 @@ def bf16_products_reference(q, k_all, v_all, n_new, scale, window=None, softcap=
     return (acc / l[..., None].double()).permute(1, 0, 2)
 
 
+DCHUNK = 128  # cpu_decode.c's positions per range of a decode row's context, about
+
+
+def bf16_decode_reference(q, k_all, v_all, n_new, scale, window=None, softcap=None):
+    """What the decode kernel computes for a row over bf16 pages with bf16 products (head
+    size 64; shapes as dense_reference's, one new token): the context (its last ``window``
+    positions) split into ranges as the kernel splits it; the query scaled and rounded to
+    bf16, float32 scores against the pages' K; per range, weights exp(score - the range's
+    maximum) rounded to bf16 for V's sums while the normaliser adds them unrounded; the
+    ranges merged by their maxima."""
+    assert n_new == 1 and softcap is None
+    total, group = k_all.shape[0], q.shape[1] // k_all.shape[1]
+    k = k_all.double().repeat_interleave(group, dim=1)
+    v = v_all.double().repeat_interleave(group, dim=1)
+    first = total - window if window is not None and total > window else 0
+    parts = max(1, -(-(total - first) // DCHUNK))
+    scores = torch.einsum("hd,khd->hk", (q[0].float() * scale).bfloat16().double(), k).float()
+    ranges = []
+    for p in range(parts):
+        a, b = first + (total - first) * p // parts, first + (total - first) * (p + 1) // parts
+        if a < b:
+            m = scores[:, a:b].max(-1).values
+            e = torch.exp(scores[:, a:b] - m[:, None])
+            ranges.append((m, e.sum(-1).double(), torch.einsum("hk,khd->hd", e.bfloat16().double(), v[a:b])))
+    top = torch.stack([m for m, _, _ in ranges]).max(0).values
+    weights = [torch.exp(m - top).double() if len(ranges) > 1 else torch.ones_like(top).double() for m, _, _ in ranges]
+    num = sum(w[:, None] * acc for w, (_, _, acc) in zip(weights, ranges))
+    den = sum(w * l for w, (_, l, _) in zip(weights, ranges))
+    return (num / den[:, None])[None]
+
+
 def test_bf16_products_reference_is_near_dense_attention():
-    """The oracle above departs from exact attention only by bf16's rounding."""
+    """The oracles above depart from exact attention only by bf16's rounding."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(*shape, generator=g) for shape in ((40, 9, 64), (300, 3, 64), (300, 3, 64)))
     k, v = k.bfloat16().float(), v.bfloat16().float()
     for window in (None, 7):
         err = (bf16_products_reference(q, k, v, 40, 0.125, window) - dense_reference(q, k, v, 40, 0.125, window))
         assert 1e-5 < err.abs().max() < 2e-2
+        for n in (300, 129, 5):  # three ranges, two, one
+            err = bf16_decode_reference(q[-1:], k[:n], v[:n], 1, 0.125, window) - dense_reference(
+                q[-1:], k[:n], v[:n], 1, 0.125, window)
+            assert 1e-5 < err.abs().max() < 2e-2
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -171,31 +206,36 @@ def test_bf16_products_reference_is_near_dense_attention():
 @pytest.mark.parametrize("kv_dtype, code", [(torch.bfloat16, 3), (torch.float16, 4)])
 def test_sixteen_bit_pages_are_read_in_place(cpu, monkeypatch, page_size, hq, hkv, dim, kv_dtype, code):
     """bf16 and fp16 caches (float32 queries): decode rows, extends and a prefill through
-    the C kernels, read as the pages hold them; windows too. Decode rows widen each row to
+    the C kernels, read as the pages hold them; windows too. fp16 rows are widened to
     float32 (exact), so they equal dense attention over the values the cache holds within
-    fp32's tolerance, as do fp16 extends; bf16 extends and prefills multiply in bf16 where
-    the CPU has AVX512-BF16 (the queries and softmax weights rounded:
-    bf16_products_reference, up to float32's reassociation and an occasional weight
-    rounded the other way), else widen as decode rows do. Soft-capped extends, and extends
-    of a head size the extend kernel does not take (24), go to the reference path; decode
-    rows always to the decode kernel (format code 3 for bf16, 4 for fp16)."""
+    fp32's tolerance. Where the CPU has AVX512-BF16, bf16 extends and prefills multiply in
+    bf16 (the queries and softmax weights rounded: bf16_products_reference), and so do bf16
+    decode rows of head size 64 (bf16_decode_reference), each up to float32's
+    reassociation and an occasional weight rounded the other way; elsewhere bf16 rows are
+    widened as fp16 ones. Soft-capped extends, and extends of a head size the extend kernel
+    does not take (24), go to the reference path; decode rows always to the decode kernel
+    (format code 3 for bf16, 4 for fp16)."""
     sdpa = spy_on_sdpa_path(cpu, monkeypatch)
     decode_formats, extend_calls = spy_on_kernels(cpu, monkeypatch)
     lens, prefixes = [5, 1, 40, 2, 17, 1, 33], [11, 20, 0, 1, 16, 700, 130]
     case = random_case(8, lens, prefixes, page_size, hq, hkv, torch.float32, dim=dim, kv_dtype=kv_dtype)
     bf16_extends = kv_dtype == torch.bfloat16 and cpu.bf16_products and dim % 32 == 0
+    bf16_decode = kv_dtype == torch.bfloat16 and cpu.bf16_decode and dim == 64
+
+    def in_bf16(n):  # whether a sequence of n new tokens multiplies in bf16
+        return bf16_extends if n > 1 else bf16_decode
 
     def reference(q, kd, vd, n, scale, window, softcap):
-        oracle = bf16_products_reference if n > 1 and bf16_extends else dense_reference
+        oracle = (bf16_products_reference if n > 1 else bf16_decode_reference) if in_bf16(n) else dense_reference
         return oracle(q, kd, vd, n, scale, window, softcap)
 
     for window in (None, 7):
         out = check_against_dense(cpu, case, lens, 0.125, window=window, tol=BF16_PRODUCTS_TOL, reference=reference)
         starts = np.cumsum([0] + lens[:-1])
-        for start, n, kd, vd in zip(starts, lens, case[5], case[6]):  # every row within fp32's tolerance but extends'
+        for start, n, kd, vd in zip(starts, lens, case[5], case[6]):  # every row within fp32's tolerance but bf16's
             err = (out[start : start + n].double() - reference(case[1][start : start + n], kd, vd, n, 0.125, window, None))
-            assert err.abs().max() < (BF16_PRODUCTS_TOL if n > 1 and bf16_extends else 2e-5)
-            if n > 1 and bf16_extends:  # the bulk to fp32's tolerance: a rare weight rounded the other way aside
+            assert err.abs().max() < (BF16_PRODUCTS_TOL if in_bf16(n) else 2e-5)
+            if in_bf16(n):  # the bulk to fp32's tolerance: a rare weight rounded the other way aside
                 assert (err.abs() < 2e-5).double().mean() > 0.95
     assert decode_formats == [code, code]
     if dim % 32 == 0:
