@@ -23,7 +23,9 @@
  *
  * KV formats (kv_format): KV_FP32, elements as they are; KV_BF16 and KV_FP16, bfloat16 and
  * IEEE half elements, each row widened to float32 as it is read (exact: both are subsets
- * of float32), so the sums are fp32's on the values the cache holds; KV_INT8, codes c in [-127, 127]
+ * of float32), so the sums are fp32's on the values the cache holds (but bf16 rows of head
+ * size 64 without a soft cap where the build has AVX512-BF16: bf16 products, see
+ * attend_part_bf16); KV_INT8, codes c in [-127, 127]
  * standing for c * scale, scale = scales[b] with b the row's byte. The scales are folded
  * into the sums instead of dequantizing each element:
  *   q . k     = scale * sum_e q_e c_e
@@ -439,7 +441,7 @@ INLINE void attend_part_bf16(const float *qi, const void *k_cache, const void *v
  * acc[j] = sum of exp(score - m[j]) * V row. scores is [hq][to - from] scratch. mass,
  * kept: observe_range's (mass NULL: the row is not observed), as in the other formats.
  * Float32 pages (fmt KV_FP32), or bfloat16 or half pages (KV_BF16, KV_FP16: each row widened
- * as it is read, then the same sums). in_registers: the V sums in registers where they can
+ * as it is read, then the same sums; bf16 pages go to attend_part_bf16 where it applies). in_registers: the V sums in registers where they can
  * be (the same bits; see weigh_v_in_registers). */
 INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cache, const int32_t *pages,
                         int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
