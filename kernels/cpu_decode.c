@@ -312,6 +312,15 @@ INLINE void weigh_v_in_registers(const float *scores, int64_t span, const float 
 #define V_SUMS_IN_REGISTERS 0
 #endif
 
+/* the slots of positions from..from+count-1 through the page table, found once (walking
+ * it without a division per position) */
+INLINE void range_slots(const int32_t *pages, int64_t from, int64_t count, int64_t page_size, int64_t *slots) {
+    for (int64_t u = 0, p = from / page_size, o = from % page_size; u < count; u++) {
+        slots[u] = (int64_t)pages[p] * page_size + o;
+        if (++o == page_size) o = 0, p++;
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512F__)
 /* Decode rows on bf16 pages with bf16 products (vdpbf16ps), as the extend kernel computes
  * on them (see BF16_PRODUCTS below): each query head scaled and rounded to bf16 once, its
@@ -339,12 +348,6 @@ INLINE __m512 lane_sums16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
 }
 
-/* the bf16 row of token t: pages' rows of `row` elements */
-INLINE const uint16_t *bf16_row(const void *cache, const int32_t *pages, int64_t pg, int64_t off, int64_t page_size,
-                                int64_t row) {
-    return (const uint16_t *)cache + ((int64_t)pages[pg] * page_size + off) * row;
-}
-
 /* attend_part for bf16 pages, head size 64 and no soft cap (the same outputs: m, l, acc, mass) */
 INLINE void attend_part_bf16(const float *qi, const void *k_cache, const void *v_cache, const int32_t *pages,
                              int64_t from, int64_t to, float *scores, float *acc, float *m, float *l, int64_t hq,
@@ -356,21 +359,13 @@ INLINE void attend_part_bf16(const float *qi, const void *k_cache, const void *v
             _mm256_storeu_si256((__m256i *)(qb + j * d + e),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qi + j * d + e),
                                                                           _mm512_set1_ps(scale))));
-    for (int64_t t0 = from, pg = from / page_size, off = from % page_size; t0 < to; t0 += 16) {
-        const int n = to - t0 < 16 ? (int)(to - t0) : 16;
-        const uint16_t *kr[16];
-        for (int u = 0; u < 16; u++) {  /* slot 4 (u % 4) + u / 4 holds position t0 + u (lane_sums16's order) */
-            kr[4 * (u % 4) + u / 4] = bf16_row(k_cache, pages, pg, off, page_size, row);
-            if (u + 1 < n && ++off == page_size) off = 0, pg++;
-        }
-        if (++off == page_size) off = 0, pg++;  /* on to t0 + 16 (past n: unused) */
-        /* ask for the next block's K rows and this block's V rows (the V pass reads them
-         * once the scores are done) while this block's scores are computed */
-        for (int64_t u = 0, p2 = pg, o2 = off; u < 16 && t0 + 16 + u < to; u++) {
-            prefetch_bytes(bf16_row(k_cache, pages, p2, o2, page_size, row), row * 2);
-            if (++o2 == page_size) o2 = 0, p2++;
-        }
-        for (int u = 0; u < n; u++) prefetch_bytes(bf16_row(v_cache, pages, (t0 + u) / page_size, (t0 + u) % page_size, page_size, row), row * 2);
+    int64_t slots[span];  /* the range's rows through the page table, for both passes */
+    range_slots(pages, from, span, page_size, slots);
+    const uint16_t *kc = k_cache, *vc = v_cache;
+    for (int64_t t0 = 0; t0 < span; t0 += 16) {
+        const int n = span - t0 < 16 ? (int)(span - t0) : 16;
+        const uint16_t *kr[16];  /* slot 4 (u % 4) + u / 4 holds position t0 + u (lane_sums16's order); past n, t0's */
+        for (int u = 0; u < 16; u++) kr[4 * (u % 4) + u / 4] = kc + slots[t0 + (u < n ? u : 0)] * row;
         for (int64_t h = 0, j = 0; h < hkv; h++)
             for (int64_t g = 0; g < group; g++, j++) {
                 const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qb + j * d),
@@ -381,7 +376,7 @@ INLINE void attend_part_bf16(const float *qi, const void *k_cache, const void *v
                     v[u] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(k)),
                                             q1, (__m512bh)_mm512_loadu_si512(k + 32));
                 }
-                _mm512_mask_storeu_ps(scores + j * span + (t0 - from), (__mmask16)((1u << n) - 1), lane_sums16(v));
+                _mm512_mask_storeu_ps(scores + j * span + t0, (__mmask16)((1u << n) - 1), lane_sums16(v));
             }
     }
     softmax_rows(scores, acc, m, l, hq, d, span);
@@ -407,13 +402,9 @@ INLINE void attend_part_bf16(const float *qi, const void *k_cache, const void *v
             __m512 a[4][4];
             for (int k = 0; k < 4; k++)
                 for (int i = 0; i < 4; i++) a[k][i] = _mm512_setzero_ps();
-            for (int64_t u = 0, pg = from / page_size, off = from % page_size; u < pairs; u++) {
-                const uint16_t *r0 = bf16_row(v_cache, pages, pg, off, page_size, row) + h * d, *r1 = r0;
-                if (++off == page_size) off = 0, pg++;
-                if (2 * u + 1 < span) {
-                    r1 = bf16_row(v_cache, pages, pg, off, page_size, row) + h * d;
-                    if (++off == page_size) off = 0, pg++;
-                }
+            for (int64_t u = 0; u < pairs; u++) {
+                const uint16_t *r0 = vc + slots[2 * u] * row + h * d,
+                               *r1 = 2 * u + 1 < span ? vc + slots[2 * u + 1] * row + h * d : r0;
                 const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r0 + 32),
                               y0 = _mm512_loadu_si512(r1), y1 = _mm512_loadu_si512(r1 + 32);
                 const __m512bh p[4] = {(__m512bh)_mm512_unpacklo_epi16(x0, y0), (__m512bh)_mm512_unpackhi_epi16(x0, y0),
@@ -487,14 +478,6 @@ INLINE void attend_part(const float *qi, const void *k_cache, const void *v_cach
     }
 }
 
-/* the slots of positions from..from+count-1 through the page table, found once (walking
- * it without a division per position) */
-INLINE void range_slots(const int32_t *pages, int64_t from, int64_t count, int64_t page_size, int64_t *slots) {
-    for (int64_t u = 0, p = from / page_size, o = from % page_size; u < count; u++) {
-        slots[u] = (int64_t)pages[p] * page_size + o;
-        if (++o == page_size) o = 0, p++;
-    }
-}
 
 /* ---- int8 pages ---------------------------------------------------------------------- */
 
